@@ -1,0 +1,193 @@
+"""One typed config tree: a dataclass per component, nested under `Config`.
+
+Loading is OmegaConf's structured merge (schema, then a YAML file, then `key=value` overrides), so an
+unknown key or a wrong type fails at start with the key's full name. `validate()` then checks values and
+cross-field rules, and raises `ConfigError` naming the key. Each actor gets only its own section, and
+nothing writes to the tree after validation.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("APRIL_RAY_CACHE", str(Path.home() / ".cache" / "april_ray"))
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Hugging Face directory of the policy. Empty: build (or reuse) the embedded tiny model in cache_dir."""
+    cache_dir: str = field(default_factory=default_cache_dir)
+    """Where the embedded model and task data are built and cached ($APRIL_RAY_CACHE overrides)."""
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 384
+    max_position_embeddings: int = 1024
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up that turns a random tiny model into a policy worth RL-training."""
+
+    steps: int = 300
+    batch_size: int = 32
+    lr: float = 3e-3
+    num_threads: int = 2
+    seed: int = 0
+
+
+@dataclass
+class LengthConfig:
+    """Distribution of the number of countdown terms; a response is about 5 tokens per term."""
+
+    family: str = "lognormal"
+    """lognormal (median, sigma), pareto (median as scale x_m, alpha), exponential (median), uniform."""
+    median: float = 6.0
+    sigma: float = 1.0
+    alpha: float = 1.2
+    min_terms: int = 1
+    max_terms: int = 100
+
+
+@dataclass
+class TaskConfig:
+    name: str = "countdown"
+    """countdown: the embedded synthetic task. math: answers checked with math-verify."""
+    train_path: str = ""
+    """JSONL or Parquet with prompt and answer fields. Empty: generate the countdown task in cache_dir."""
+    eval_path: str = ""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    num_train: int = 20000
+    num_eval: int = 256
+    seed: int = 1234
+    max_step: int = 3
+    """Countdown steps are drawn from 1..max_step; larger steps make the arithmetic harder."""
+    length: LengthConfig = field(default_factory=LengthConfig)
+
+
+@dataclass
+class EngineConfig:
+    backend: str = "cpu"
+    """cpu: the embedded continuous-batching engine. sglang: SGLang servers on GPU nodes."""
+    max_num_seqs: int = 256
+    """Concurrency cap: sequences in the running batch (and KV-cache slots)."""
+    max_model_len: int = 640
+    """Prompt plus response tokens per sequence (KV-cache length)."""
+    max_prefill_tokens: int = 8192
+    """Prompt tokens admitted per step; bounds a step's latency (and so abort latency)."""
+    num_threads: int = 1
+    """torch intra-op threads per engine."""
+    seed: int = 0
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: str = "offline"
+    """offline, online or disabled."""
+    project: str = "april-ray"
+    output_dir: str = "outputs"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+_CHOICES = {
+    "task.name": ("countdown", "math"),
+    "task.length.family": ("lognormal", "pareto", "exponential", "uniform"),
+    "engine.backend": ("cpu", "sglang"),
+    "logging.wandb_mode": ("offline", "online", "disabled"),
+}
+_POSITIVE = (
+    "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads", "model.head_dim",
+    "model.intermediate_size", "model.max_position_embeddings", "warmup.batch_size", "warmup.lr",
+    "warmup.num_threads", "task.num_train", "task.num_eval", "task.length.median", "task.length.sigma",
+    "task.length.alpha", "task.length.min_terms", "task.max_step", "engine.max_num_seqs", "engine.max_model_len",
+    "engine.max_prefill_tokens", "engine.num_threads",
+)
+
+
+def _get(cfg: Config, key: str):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: Config) -> Config:
+    for key, allowed in _CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            raise ConfigError(f"{key}: {_get(cfg, key)!r} is not one of {', '.join(allowed)}")
+    for key in _POSITIVE:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {_get(cfg, key)}")
+    if cfg.warmup.steps < 0:
+        raise ConfigError(f"warmup.steps: must be >= 0, got {cfg.warmup.steps}")
+    if cfg.model.num_heads % cfg.model.num_kv_heads:
+        raise ConfigError("model.num_heads: must be a multiple of model.num_kv_heads")
+    if cfg.task.length.max_terms < cfg.task.length.min_terms:
+        raise ConfigError("task.length.max_terms: must be >= task.length.min_terms")
+    if cfg.task.name == "math" and not cfg.task.train_path:
+        raise ConfigError("task.train_path: the math task needs a dataset file")
+    if cfg.engine.max_model_len > cfg.model.max_position_embeddings:
+        raise ConfigError("engine.max_model_len: exceeds model.max_position_embeddings")
+    return cfg
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Schema, then the YAML file at `path`, then `key=value` overrides; then `validate`."""
+    try:
+        merged = OmegaConf.structured(Config)
+        if path:
+            if not Path(path).is_file():
+                raise ConfigError(f"config file not found: {path}")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r}: expected key=value")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        where = f" (in {path} or overrides)" if path else ""
+        key = getattr(e, "full_key", None)
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"{key}: {msg}{where}" if key else f"{msg}{where}") from None
+    return validate(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="YAML file under configs/")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. engine.max_num_seqs=64")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(to_yaml(cfg))
+        raise SystemExit(0)
+    return cfg

@@ -1,0 +1,23 @@
+"""The engine protocol that rollout code talks to; CPU and SGLang backends implement it."""
+from __future__ import annotations
+
+from typing import Protocol
+
+from april_ray.types import EngineStats, GenerateOutput, GenerateRequest
+
+
+class Engine(Protocol):
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """Generate until stop, budget or abort; an aborted request returns its partial tokens."""
+
+    def abort(self, request_id: str) -> bool:
+        """Abort one request; True if it was known. Idempotent."""
+
+    def abort_all(self) -> int:
+        """Abort every request; returns how many were aborted. Idempotent."""
+
+    def update_weights(self, state_dict, version: int) -> None:
+        """Adopt new weights between steps; later tokens carry `version`."""
+
+    def stats(self, drain: bool = True) -> EngineStats:
+        """Counters, and the occupancy timeline since the last drain."""

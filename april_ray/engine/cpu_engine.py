@@ -1,0 +1,141 @@
+"""The embedded CPU inference engine: continuous batching, abort with partial results, resume.
+
+`LLMEngine` is the synchronous core: `add_request`, `abort`, `step`. Requests join and leave the running
+batch at token granularity. An aborted request returns the ids, logprobs and versions it generated so far
+(SGLang does the same with finish_reason "abort"), so a caller can resume it by submitting
+prompt + generated ids with the remaining budget. Every token is stamped with the policy version of the
+weights that sampled it.
+
+Why our own engine and not transformers' `ContinuousBatchingManager`: a cancelled request there yields no
+final result, and it measured 2-6x slower than `model.generate` on CPU (docs/architecture.md).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from april_ray.engine.model_runner import ModelRunner, sample
+from april_ray.engine.scheduler import Scheduler, Sequence
+from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
+
+
+class LLMEngine:
+    def __init__(self, model, max_num_seqs: int = 256, max_model_len: int = 640,
+                 max_prefill_tokens: int = 8192, seed: int = 0, version: int = 0):
+        self.vocab_size = model.config.vocab_size
+        self.max_model_len = max_model_len
+        self.runner = ModelRunner(model, max_num_seqs, max_model_len)
+        self.scheduler = Scheduler(max_num_seqs, max_prefill_tokens)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.version = version
+        self.num_generated_tokens = 0
+        self.num_prefill_tokens = 0
+        self.busy_s = 0.0
+        self.occupancy: list[tuple[float, int]] = []
+
+    # -- requests -------------------------------------------------------------------------------------
+    def add_request(self, request: GenerateRequest) -> None:
+        """Validate and queue; a bad request raises ValueError and leaves the engine untouched."""
+        ids, sp = request.input_ids, request.sampling
+        rid = request.request_id
+        if not ids:
+            raise ValueError(f"request {rid}: input_ids is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"request {rid}: input of {len(ids)} tokens does not fit max_model_len "
+                             f"{self.max_model_len} (room for at least one new token is needed)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {rid}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if sp.max_new_tokens <= 0:
+            raise ValueError(f"request {rid}: max_new_tokens must be > 0, got {sp.max_new_tokens}")
+        if sp.temperature < 0 or not 0 < sp.top_p <= 1:
+            raise ValueError(f"request {rid}: temperature must be >= 0 and top_p in (0, 1]")
+        budget = min(sp.max_new_tokens, self.max_model_len - len(ids))
+        self.scheduler.add(Sequence(request, budget))
+
+    def abort(self, request_id: str) -> GenerateOutput | None:
+        """Stop one request now; its tokens so far come back with finish_reason ABORT. None if unknown."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return None
+        self._remove(seq)
+        return seq.output(FinishReason.ABORT)
+
+    def abort_all(self) -> list[GenerateOutput]:
+        seqs = [*self.scheduler.running, *self.scheduler.waiting]
+        return [self.abort(s.request.request_id) for s in seqs]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- weights --------------------------------------------------------------------------------------
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """In-place update between steps; tokens sampled from now on carry `version`.
+
+        Running sequences keep the KV cache their old weights computed (SGLang's in-place mode behaves
+        the same); the per-token versions record exactly which weights sampled each token.
+        """
+        with torch.no_grad():
+            self.runner.model.load_state_dict(state_dict, strict=True)
+        self.version = version
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def step(self) -> list[GenerateOutput]:
+        """Admit and prefill waiting requests, then decode one token for every running one."""
+        t0 = time.perf_counter()
+        finished: list[GenerateOutput] = []
+        admitted = self.scheduler.admit()
+        if admitted:
+            logits = self.runner.prefill([s.request.input_ids + s.token_ids for s in admitted],
+                                         [s.slot for s in admitted])
+            self.num_prefill_tokens += sum(s.num_tokens for s in admitted)
+            finished += self._sample(admitted, logits)
+        running = list(self.scheduler.running)
+        if running:
+            logits = self.runner.decode([s.last_token for s in running], [s.num_tokens - 1 for s in running])
+            finished += self._sample(running, logits)
+        self.busy_s += time.perf_counter() - t0
+        self.occupancy.append((time.time(), len(running)))
+        return finished
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[GenerateOutput]:
+        params = [s.request.sampling for s in seqs]
+        tokens, logprobs = sample(
+            logits,
+            torch.tensor([p.temperature for p in params]),
+            torch.tensor([p.top_p for p in params]),
+            torch.tensor([p.top_k for p in params]),
+            self.generator,
+        )
+        self.num_generated_tokens += len(seqs)
+        done = []
+        for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            reason = seq.append(tok, lp, self.version)
+            if reason is not None:
+                self._remove(seq)
+                done.append(seq.output(reason))
+        return done
+
+    def _remove(self, seq: Sequence) -> None:
+        move = self.scheduler.remove(seq)
+        if move is not None:
+            src, dst = move
+            self.runner.move_slot(src, dst, self.scheduler.running[dst].num_tokens)
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+        """Offline convenience: run to completion, outputs in request order."""
+        for r in requests:
+            self.add_request(r)
+        outputs = {}
+        while self.has_work():
+            for out in self.step():
+                outputs[out.request_id] = out
+        return [outputs[r.request_id] for r in requests]
+
+    def stats(self, drain: bool = True) -> EngineStats:
+        occupancy = self.occupancy
+        if drain:
+            self.occupancy = []
+        return EngineStats(self.num_generated_tokens, self.num_prefill_tokens, self.busy_s,
+                           len(self.scheduler.running), len(self.scheduler.waiting), self.version, occupancy)

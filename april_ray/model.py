@@ -1,0 +1,127 @@
+"""The embedded default policy: a tiny Qwen3 built locally and warmed up on the countdown task.
+
+It is saved as a standard Hugging Face directory (config.json, model.safetensors, tokenizer files) and
+loaded by `load_policy`, the same `from_pretrained` path that loads Qwen3-4B on a GPU node. Nothing is
+ever downloaded. The directory name hashes every setting that shapes the weights, so a second run with
+the same config reuses it and a changed config builds a new one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from april_ray.config import Config, ModelConfig
+from april_ray.data import dataset_paths, read_examples
+from april_ray.tokenizer import build_tokenizer
+
+
+def build_random_model(cfg: ModelConfig, vocab_size: int, pad_id: int, eos_id: int, seed: int = 0):
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
+        pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=eos_id, tie_word_embeddings=True,
+    )
+    return Qwen3ForCausalLM(config).float()
+
+
+def embedded_model_dir(cfg: Config) -> Path:
+    key = json.dumps(
+        {"model": {k: v for k, v in asdict(cfg.model).items() if k not in ("path", "cache_dir")},
+         "warmup": {k: v for k, v in asdict(cfg.warmup).items() if k != "num_threads"},
+         "task": {"length": asdict(cfg.task.length), "seed": cfg.task.seed, "n": cfg.task.num_train,
+                  "max_step": cfg.task.max_step}},
+        sort_keys=True,
+    )
+    return Path(cfg.model.cache_dir) / "models" / f"tiny-qwen3-countdown-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+
+def ensure_model(cfg: Config, log=print) -> Path:
+    """The policy directory: `model.path` if set, else the embedded model (built on first use)."""
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    out = embedded_model_dir(cfg)
+    if (out / "model.safetensors").is_file():
+        return out
+    log(f"building the embedded tiny model into {out} (one-time warm-up, cached afterwards)")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = build_tokenizer()
+    model = build_random_model(cfg.model, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id,
+                               cfg.warmup.seed)
+    train_path, _ = dataset_paths(cfg.task, cfg.model.cache_dir)
+    warmup(model, tokenizer, read_examples(train_path), cfg, log)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(out)  # atomic: a crash mid-build never leaves a half-written model behind
+    return out
+
+
+def load_policy(path: str | Path, dtype=torch.float32):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model.eval(), tokenizer
+
+
+def _token_batches(seqs: list[tuple[list[int], int]], max_tokens: int, rng: random.Random):
+    """Length-bucketed batches of at most `max_tokens` padded tokens, in random order (long tails pad badly)."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * len(seqs[i][0]) > max_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def _collate(seqs, idx, pad_id):
+    width = max(len(seqs[i][0]) for i in idx)
+    ids = torch.full((len(idx), width), pad_id)
+    labels = torch.full((len(idx), width), -100)
+    for row, i in enumerate(idx):
+        toks, prompt_len = seqs[i]
+        ids[row, : len(toks)] = torch.tensor(toks)
+        labels[row, prompt_len : len(toks)] = torch.tensor(toks[prompt_len:])
+    return ids, labels
+
+
+def warmup(model, tokenizer, examples, cfg: Config, log=print) -> None:
+    """Supervised fine-tuning on prompt+answer (loss on the answer), cosine schedule, deterministic per seed."""
+    w = cfg.warmup
+    torch.manual_seed(w.seed)
+    torch.set_num_threads(w.num_threads)
+    rng = random.Random(w.seed)
+    seqs = []
+    for ex in examples:
+        p = tokenizer.encode(ex.prompt)
+        seqs.append((p + tokenizer.encode(ex.answer) + [tokenizer.eos_token_id], len(p)))
+    batches = _token_batches(seqs, w.batch_size * 64, rng)
+    opt = torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    model.train()
+    t0 = time.perf_counter()
+    for step in range(w.steps):
+        lr = w.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / max(1, w.steps)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ids, labels = _collate(seqs, batches[step % len(batches)], tokenizer.pad_token_id)
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or step == w.steps - 1:
+            log(f"warm-up step {step}/{w.steps} loss {loss.item():.4f} ({time.perf_counter() - t0:.0f}s)")
+    model.eval()

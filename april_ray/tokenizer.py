@@ -1,0 +1,26 @@
+"""A character-level tokenizer built locally with `tokenizers`, saved as a standard HF tokenizer.
+
+One id per printable ASCII character, so any prompt (the countdown task, or a math problem) round-trips.
+It loads through `AutoTokenizer.from_pretrained(path)`, the same call that loads Qwen3's tokenizer.
+"""
+from __future__ import annotations
+
+import string
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+SPECIALS = (PAD, EOS, UNK)
+CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + tuple(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK,
+        clean_up_tokenization_spaces=False,
+    )

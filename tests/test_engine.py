@@ -1,0 +1,182 @@
+import asyncio
+
+import pytest
+import torch
+
+from april_ray.engine.async_engine import AsyncEngine
+from april_ray.engine.cpu_engine import LLMEngine
+from april_ray.types import FinishReason, GenerateRequest, SamplingParams
+
+PROMPTS = ["0052-3:", "12-1:", "0999-2: 0997", "7-1:", "hello world", "0153-3: 0150 0147 0144"]
+
+
+def greedy(n=24):
+    return SamplingParams(temperature=0.0, max_new_tokens=n)
+
+
+def hf_greedy(model, ids, n):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                         pad_token_id=0, eos_token_id=None)
+    return out[0, len(ids):].tolist()
+
+
+def requests(tok, sp, prompts=PROMPTS):
+    return [GenerateRequest(f"r{i}", tok.encode(p), sp) for i, p in enumerate(prompts)]
+
+
+def test_greedy_matches_hf_generate_with_requests_joining_mid_batch(policy):
+    model, tok = policy
+    # 2 slots for 6 requests: requests join as others leave, at token granularity
+    engine = LLMEngine(model, max_num_seqs=2, max_model_len=128)
+    outs = engine.generate(requests(tok, greedy()))
+    for p, out in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(model, tok.encode(p), 24), p
+        assert out.finish_reason == FinishReason.LENGTH
+
+
+def test_staggered_join_does_not_disturb_running_request(policy):
+    model, tok = policy
+    engine = LLMEngine(model, max_num_seqs=4, max_model_len=128)
+    engine.add_request(GenerateRequest("a", tok.encode(PROMPTS[0]), greedy(30)))
+    done = {}
+    for i in range(40):
+        if i in (3, 7, 11):
+            engine.add_request(GenerateRequest(f"b{i}", tok.encode(PROMPTS[i % 5 + 1]), greedy(5)))
+        done.update({o.request_id: o for o in engine.step()})
+    assert done["a"].token_ids == hf_greedy(model, tok.encode(PROMPTS[0]), 30)
+    for i in (3, 7, 11):
+        assert done[f"b{i}"].token_ids == hf_greedy(model, tok.encode(PROMPTS[i % 5 + 1]), 5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_a_separate_forward_pass(policy, temperature):
+    model, tok = policy
+    engine = LLMEngine(model, max_num_seqs=8, max_model_len=128, seed=1)
+    outs = engine.generate(requests(tok, SamplingParams(temperature=temperature, max_new_tokens=20)))
+    for p, out in zip(PROMPTS, outs):
+        ids = tok.encode(p)
+        full = torch.tensor([ids + out.token_ids])
+        with torch.no_grad():
+            logits = model(full).logits[0, len(ids) - 1 : -1] / temperature
+        ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_abort_returns_exact_prefix_and_resume_continues(policy):
+    model, tok = policy
+    ids = tok.encode(PROMPTS[2])
+    full = hf_greedy(model, ids, 40)
+    engine = LLMEngine(model, max_num_seqs=4, max_model_len=128)
+    engine.add_request(GenerateRequest("x", ids, greedy(40)))
+    engine.add_request(GenerateRequest("other", tok.encode(PROMPTS[1]), greedy(40)))
+    for _ in range(9):
+        engine.step()
+    part = engine.abort("x")
+    assert part.finish_reason == FinishReason.ABORT
+    assert 0 < len(part.token_ids) < 40 and part.token_ids == full[: len(part.token_ids)]
+    assert len(part.logprobs) == len(part.versions) == len(part.token_ids)
+    assert engine.abort("x") is None  # idempotent: already gone
+    remaining = 40 - len(part.token_ids)
+    [rest] = engine.generate([GenerateRequest("x2", ids + part.token_ids, greedy(remaining))])
+    assert part.token_ids + rest.token_ids == full
+    assert len(rest.token_ids) == remaining
+
+
+def test_abort_all_returns_every_request_including_waiting(policy):
+    model, tok = policy
+    engine = LLMEngine(model, max_num_seqs=2, max_model_len=128)
+    for r in requests(tok, greedy(50)):
+        engine.add_request(r)
+    engine.step()
+    outs = engine.abort_all()
+    assert sorted(o.request_id for o in outs) == [f"r{i}" for i in range(len(PROMPTS))]
+    assert all(o.finish_reason == FinishReason.ABORT for o in outs)
+    assert sum(len(o.token_ids) > 0 for o in outs) == 2  # the two running ones had tokens; waiting had none
+    assert not engine.has_work()
+
+
+def test_stop_token_and_budget_clamped_to_context(policy):
+    model, tok = policy
+    engine = LLMEngine(model, max_num_seqs=4, max_model_len=32)
+    ids = tok.encode(PROMPTS[0])
+    first = hf_greedy(model, ids, 3)
+    [stopped] = engine.generate([GenerateRequest("s", ids, SamplingParams(0.0, max_new_tokens=20,
+                                                                         stop_token_ids=(first[2],)))])
+    assert stopped.finish_reason == FinishReason.STOP and stopped.token_ids[-1] == first[2]
+    assert len(stopped.token_ids) <= 3
+    [clamped] = engine.generate([GenerateRequest("c", ids, greedy(1000))])
+    assert clamped.finish_reason == FinishReason.LENGTH and len(ids) + len(clamped.token_ids) == 32
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(policy):
+    model, tok = policy
+    engine = LLMEngine(model, max_num_seqs=8, max_model_len=128, seed=5)
+    ref = engine.generate(requests(tok, greedy(16)))
+    for sp in (SamplingParams(1.0, top_k=1, max_new_tokens=16), SamplingParams(1.0, top_p=1e-6, max_new_tokens=16)):
+        outs = engine.generate(requests(tok, sp))
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+
+
+def test_weight_update_stamps_new_version(policy, random_model_dir):
+    model, tok = policy
+    engine = LLMEngine(model, max_num_seqs=4, max_model_len=128)
+    engine.add_request(GenerateRequest("v", tok.encode(PROMPTS[0]), greedy(20)))
+    for _ in range(5):
+        engine.step()
+    sd = {k: v * 1.5 for k, v in model.state_dict().items()}
+    engine.update_weights(sd, version=7)
+    out = []
+    while engine.has_work():
+        out += engine.step()
+    versions = out[0].versions
+    assert versions[0] == 0 and versions[-1] == 7 and sorted(versions) == versions
+    assert engine.stats().version == 7
+
+
+def test_stats_count_tokens_and_record_occupancy(policy):
+    model, tok = policy
+    engine = LLMEngine(model, max_num_seqs=3, max_model_len=128)
+    outs = engine.generate(requests(tok, greedy(10)))
+    stats = engine.stats()
+    assert stats.num_generated_tokens == sum(o.num_tokens for o in outs) == 60
+    assert stats.busy_s > 0 and max(n for _, n in stats.occupancy) == 3
+    assert engine.stats().occupancy == []  # drained
+
+
+@pytest.mark.parametrize("bad", [
+    GenerateRequest("long", list(range(3, 3 + 10)) * 20, SamplingParams(max_new_tokens=4)),
+    GenerateRequest("oov", [5, 10_000, 6], SamplingParams(max_new_tokens=4)),
+    GenerateRequest("zero", [5, 6], SamplingParams(max_new_tokens=0)),
+    GenerateRequest("neg", [5, 6], SamplingParams(max_new_tokens=-3)),
+    GenerateRequest("empty", [], SamplingParams(max_new_tokens=3)),
+])
+def test_bad_request_fails_alone_and_engine_keeps_serving(policy, bad):
+    model, tok = policy
+    engine = AsyncEngine(LLMEngine(model, max_num_seqs=4, max_model_len=128))
+
+    async def main():
+        good = [engine.generate(r) for r in requests(tok, greedy(8))]
+        return await asyncio.gather(engine.generate(bad), *good, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert isinstance(results[0], ValueError) and bad.request_id in str(results[0])
+    assert all(o.num_tokens == 8 for o in results[1:])
+
+
+def test_async_engine_serves_concurrent_calls_and_abort_all(policy):
+    model, tok = policy
+    engine = AsyncEngine(LLMEngine(model, max_num_seqs=4, max_model_len=256))
+
+    async def main():
+        tasks = [asyncio.ensure_future(engine.generate(r)) for r in requests(tok, greedy(200))]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        n = engine.abort_all()
+        outs = await asyncio.gather(*tasks)
+        assert engine.abort_all() == 0  # idempotent
+        return n, outs
+
+    n, outs = asyncio.run(main())
+    assert n == len(PROMPTS)
+    assert all(o.finish_reason == FinishReason.ABORT for o in outs)
+    assert any(o.num_tokens > 0 for o in outs)
