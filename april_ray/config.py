@@ -43,7 +43,7 @@ class ModelConfig:
 class WarmupConfig:
     """Supervised warm-up that turns a random tiny model into a policy worth RL-training."""
 
-    steps: int = 300
+    steps: int = 800
     batch_size: int = 32
     lr: float = 3e-3
     num_threads: int = 2

@@ -16,7 +16,8 @@ RewardFn = Callable[[str, str, str], float]
 def math_reward(prompt: str, response: str, answer: str) -> float:
     from math_verify import parse, verify
 
-    gold = parse(answer if "$" in answer or "\\" in answer else f"${answer}$")
+    # Ground truths are bare ("1/2", "\\sqrt{8}"); math-verify reads LaTeX inside delimiters.
+    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
     pred = parse(response)
     if not gold or not pred:
         return 0.0

@@ -68,3 +68,81 @@ class EngineStats:
     version: int
     occupancy: list[tuple[float, int]]
     """(wall-clock time at the end of a step, running-batch size) per step since the last drain."""
+
+
+class SampleState(str, enum.Enum):
+    QUEUED = "queued"      # created by the prompt source, never dispatched
+    RUNNING = "running"    # dispatched to an engine
+    PARTIAL = "partial"    # interrupted; waits in the store to be resumed
+    FINISHED = "finished"  # stop token or budget reached; rewarded
+
+
+@dataclass
+class Sample:
+    """One response to one prompt, carried across interruptions as token ids (never as text)."""
+
+    sample_id: str
+    group_id: str
+    prompt: str
+    """The prompt text (for the reward and for logs; generation only ever uses prompt_ids)."""
+    answer: str
+    prompt_ids: list[int]
+    max_response_len: int
+    """Total response budget across all resumes; the remaining budget is derived, never stored."""
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    """Behaviour logprob of each response token, recorded at the engine."""
+    versions: list[int] = field(default_factory=list)
+    """Policy version that sampled each response token."""
+    state: SampleState = SampleState.QUEUED
+    finish_reason: FinishReason | None = None
+    reward: float | None = None
+    num_resumes: int = 0
+    num_discarded_tokens: int = 0
+    """Tokens dropped by a staleness restart (accounted, so generated = kept + discarded)."""
+
+    @property
+    def remaining_budget(self) -> int:
+        return self.max_response_len - len(self.response_ids)
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def extend(self, out: GenerateOutput) -> None:
+        """Append an engine result; an aborted result leaves the sample PARTIAL, anything else FINISHED."""
+        assert len(out.token_ids) <= self.remaining_budget, "engine exceeded the remaining budget"
+        self.response_ids = self.response_ids + out.token_ids
+        self.logprobs = self.logprobs + out.logprobs
+        self.versions = self.versions + out.versions
+        self.finish_reason = out.finish_reason
+        self.state = SampleState.PARTIAL if out.finish_reason == FinishReason.ABORT else SampleState.FINISHED
+
+
+@dataclass
+class SampleMeta:
+    """What the monitor reads of a generate call; the Sample itself stays behind an object ref."""
+
+    sample_id: str
+    group_id: str
+    state: SampleState
+    num_new_tokens: int
+    response_len: int
+    reward: float | None
+    version_counts: dict[int, int]
+    """Response tokens per policy version (derived from the per-token record, never a side counter)."""
+
+
+@dataclass
+class Group:
+    """The `n_samples_per_prompt` samples of one prompt; complete when all of them are FINISHED."""
+
+    group_id: str
+    prompt_index: int
+    """Row of the prompt in the dataset (the source's cursor counts these)."""
+    samples: list[Sample]
+    created_step: int = 0
+
+    @property
+    def is_complete(self) -> bool:
+        return all(s.state == SampleState.FINISHED for s in self.samples)

@@ -1,0 +1,62 @@
+"""The prompt source: dataset rows, shuffled per epoch by seed, handed out as groups of samples.
+
+Its cursor (epoch, position) is saved with every checkpoint together with the partial-rollout store, so
+a restart neither skips the prompts that were waiting in the store (DESIGN-NOTES, item 8) nor repeats
+any that were already returned.
+"""
+from __future__ import annotations
+
+import random
+
+from april_ray.data import Example
+from april_ray.types import Group, Sample
+
+
+class PromptSource:
+    def __init__(self, examples: list[Example], encode, n_samples_per_prompt: int, max_response_len: int,
+                 seed: int = 0):
+        if not examples:
+            raise ValueError("prompt source: the dataset is empty")
+        self.examples = examples
+        self.encode = encode
+        self.n = n_samples_per_prompt
+        self.max_response_len = max_response_len
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self.num_groups_taken = 0
+        self._order = self._shuffle(0)
+
+    def _shuffle(self, epoch: int) -> list[int]:
+        order = list(range(len(self.examples)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, num_groups: int, step: int = 0) -> list[Group]:
+        groups = []
+        for _ in range(num_groups):
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._shuffle(self.epoch)
+            ex = self.examples[self._order[self.position]]
+            groups.append(self._group(ex, f"e{self.epoch}p{self.position}", step))
+            self.position += 1
+        self.num_groups_taken += len(groups)
+        return groups
+
+    def _group(self, ex: Example, group_id: str, step: int) -> Group:
+        ids = self.encode(ex.prompt)
+        samples = [Sample(f"{group_id}s{i}", group_id, ex.prompt, ex.answer, ids, self.max_response_len)
+                   for i in range(self.n)]
+        return Group(group_id, ex.index, samples, created_step=step)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "num_groups_taken": self.num_groups_taken,
+                "seed": self.seed, "num_examples": len(self.examples)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_examples"] != len(self.examples) or state["seed"] != self.seed:
+            raise ValueError("prompt source: the checkpoint was taken on a different dataset or seed")
+        self.epoch, self.position = state["epoch"], state["position"]
+        self.num_groups_taken = state["num_groups_taken"]
+        self._order = self._shuffle(self.epoch)

@@ -1,0 +1,21 @@
+"""Shared start-up for jobs: environment defaults, config from the command line, the policy directory."""
+from __future__ import annotations
+
+import argparse
+import os
+
+# Every Ray listener on 127.0.0.1, no usage stats, one auth mode everywhere (see shared ENVIRONMENT.md).
+for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+                   "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(key, value)
+
+from april_ray.config import Config, add_config_args, config_from_args  # noqa: E402
+
+
+def parse(description: str, extra=None) -> tuple[Config, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description=description)
+    add_config_args(parser)
+    if extra:
+        extra(parser)
+    args = parser.parse_args()
+    return config_from_args(args), args

@@ -1,0 +1,40 @@
+import pytest
+
+from april_ray.config import ConfigError, load_config, to_yaml
+
+
+def test_defaults_yaml_and_overrides_merge_in_order(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("engine:\n  max_num_seqs: 32\ntask:\n  length:\n    median: 4.0\n")
+    cfg = load_config(str(path), ["engine.max_num_seqs=16"])
+    assert cfg.engine.max_num_seqs == 16 and cfg.task.length.median == 4.0
+    assert "max_num_seqs: 16" in to_yaml(cfg)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("engine.not_a_key=1", "engine.not_a_key"),
+    ("engine.max_num_seqs=many", "engine.max_num_seqs"),
+    ("engine.backend=vllm", "engine.backend"),
+    ("engine.max_num_seqs=0", "engine.max_num_seqs"),
+    ("task.length.family=zipf", "task.length.family"),
+    ("model.num_heads=3", "model.num_heads"),
+    ("engine.max_model_len=4096", "engine.max_model_len"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout_typo:\n  x: 1\n")
+    with pytest.raises(ConfigError, match="rollout_typo") as e:
+        load_config(str(path))
+    assert str(path) in str(e.value)
+
+
+def test_missing_file_and_malformed_override():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("/no/such.yaml")
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["engine.max_num_seqs"])
