@@ -96,6 +96,35 @@ class EngineConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """APRIL's knobs. One group = n_samples_per_prompt samples of one prompt."""
+
+    rollout_batch_size: int = 16
+    """N: complete groups per step (what the learner trains on)."""
+    over_sampling_batch_size: int = 32
+    """N': groups kept in flight until N are complete (APRIL only; the sync baseline uses N)."""
+    n_samples_per_prompt: int = 8
+    max_response_len: int = 512
+    """Response budget per sample, summed over all its resumes."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    partial_rollout: bool = True
+    """true: APRIL (over-provision, interrupt, recycle). false: the synchronous baseline."""
+    max_staleness: int = 2
+    """A partial sample whose oldest token is more than this many versions old is handled by stale_policy."""
+    stale_policy: str = "restart"
+    """restart: drop its tokens and start again from the prompt. keep: keep them (the learner may mask)."""
+    dynamic_filter: bool = False
+    """DAPO dynamic sampling: drop complete groups whose rewards all agree, and refill their slots."""
+    max_filtered_groups: int = 256
+    """A step fails (with every sample kept in the store) once the filter has dropped more groups than this."""
+    num_engines: int = 2
+    abort_resend_s: float = 2.0
+    """Re-send the abort if requests are still outstanding after this long (aborts are idempotent)."""
+
+
+@dataclass
 class LoggingConfig:
     wandb_mode: str = "offline"
     """offline, online or disabled."""
@@ -109,6 +138,7 @@ class Config:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -117,13 +147,16 @@ _CHOICES = {
     "task.length.family": ("lognormal", "pareto", "exponential", "uniform"),
     "engine.backend": ("cpu", "sglang"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
+    "rollout.stale_policy": ("restart", "keep"),
 }
 _POSITIVE = (
     "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads", "model.head_dim",
     "model.intermediate_size", "model.max_position_embeddings", "warmup.batch_size", "warmup.lr",
     "warmup.num_threads", "task.num_train", "task.num_eval", "task.length.median", "task.length.sigma",
     "task.length.alpha", "task.length.min_terms", "task.max_step", "engine.max_num_seqs", "engine.max_model_len",
-    "engine.max_prefill_tokens", "engine.num_threads",
+    "engine.max_prefill_tokens", "engine.num_threads", "rollout.rollout_batch_size",
+    "rollout.over_sampling_batch_size", "rollout.n_samples_per_prompt", "rollout.max_response_len",
+    "rollout.top_p", "rollout.num_engines", "rollout.abort_resend_s",
 )
 
 
@@ -151,6 +184,15 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("task.train_path: the math task needs a dataset file")
     if cfg.engine.max_model_len > cfg.model.max_position_embeddings:
         raise ConfigError("engine.max_model_len: exceeds model.max_position_embeddings")
+    r = cfg.rollout
+    if r.over_sampling_batch_size < r.rollout_batch_size:
+        raise ConfigError(f"rollout.over_sampling_batch_size: must be >= rollout.rollout_batch_size "
+                          f"({r.over_sampling_batch_size} < {r.rollout_batch_size})")
+    if r.temperature < 0 or r.top_p > 1 or r.max_staleness < 0:
+        raise ConfigError("rollout.temperature, rollout.max_staleness: must be >= 0; rollout.top_p: <= 1")
+    if r.max_response_len >= cfg.engine.max_model_len:
+        raise ConfigError(f"rollout.max_response_len: {r.max_response_len} leaves no room for the prompt "
+                          f"in engine.max_model_len {cfg.engine.max_model_len}")
     return cfg
 
 

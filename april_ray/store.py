@@ -71,3 +71,8 @@ class PartialRolloutStore:
         self.partial = OrderedDict((g.group_id, g) for g in state["partial"])
         self.complete = list(state["complete"])
         self.num_restarted_samples = state["num_restarted_samples"]
+
+
+def resolve_groups(groups: list[Group], resolve) -> list[Group]:
+    """Groups arrive with sample handles (object refs on Ray); the store keeps values."""
+    return [Group(g.group_id, g.prompt_index, [resolve(s) for s in g.samples], g.created_step) for g in groups]

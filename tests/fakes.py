@@ -1,0 +1,159 @@
+"""Fakes for testing the rollout without Ray: an engine with token-granular continuous batching whose
+response length is encoded in the prompt (its first id), a pool, and proxies for the store and source."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+from april_ray.data import Example
+from april_ray.engine_worker import EngineWorker
+from april_ray.prompt_source import PromptSource
+from april_ray.rollout import EngineFailure
+from april_ray.store import PartialRolloutStore, resolve_groups
+from april_ray.types import FinishReason, GenerateOutput, SamplingParams
+
+TOKEN = 7
+
+
+class FakeEngine:
+    """Every running request gets one token per tick; it stops when its response reaches input_ids[0]."""
+
+    def __init__(self, tick: float = 0.0002, seed: int = 0):
+        self.tick = tick
+        self.rng = random.Random(seed)
+        self.version = 0
+        self.running: dict[str, list] = {}
+        self.max_running = 0
+        self.num_calls = 0
+        self._task = None
+
+    async def generate(self, req):
+        fut = asyncio.get_running_loop().create_future()
+        self.running[req.request_id] = [req, [], fut]
+        self.num_calls += 1
+        self.max_running = max(self.max_running, len(self.running))
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._loop())
+        return await fut
+
+    async def _loop(self):
+        while self.running:
+            await asyncio.sleep(self.tick * self.rng.uniform(0.5, 1.5))
+            for rid, (req, toks, fut) in list(self.running.items()):
+                toks.append(TOKEN)
+                total = len(req.input_ids) - 1 + len(toks)
+                if total >= req.input_ids[0]:
+                    self._finish(rid, FinishReason.STOP)
+                elif len(toks) >= req.sampling.max_new_tokens:
+                    self._finish(rid, FinishReason.LENGTH)
+
+    def _finish(self, rid, reason):
+        req, toks, fut = self.running.pop(rid)
+        if not fut.done():
+            fut.set_result(GenerateOutput(rid, list(toks), [-0.5] * len(toks), [self.version] * len(toks), reason))
+
+    def abort(self, rid):
+        if rid in self.running:
+            self._finish(rid, FinishReason.ABORT)
+            return True
+        return False
+
+    def abort_all(self):
+        ids = list(self.running)
+        for rid in ids:
+            self._finish(rid, FinishReason.ABORT)
+        return len(ids)
+
+    def update_weights(self, state_dict, version):
+        self.version = version
+
+    def stats(self, drain=True):
+        return None
+
+
+class LocalHandle:
+    def __init__(self, task):
+        self.task = task
+
+    def value(self):
+        return self.task.result()[1]
+
+
+def resolve(x):
+    return x.value() if isinstance(x, LocalHandle) else x
+
+
+class LocalPool:
+    def __init__(self, workers, capacities, abort_delay: float = 0.0):
+        self.workers = workers
+        self.capacities = capacities
+        self.abort_delay = abort_delay
+        self.dead: set[int] = set()
+
+    def generate(self, engine, sample, step):
+        task = asyncio.ensure_future(self._call(engine, resolve(sample), step))
+
+        async def meta():
+            return (await task)[0]
+
+        return meta(), LocalHandle(task)
+
+    async def _call(self, engine, sample, step):
+        if engine in self.dead:
+            raise EngineFailure(f"engine {engine} is dead")
+        result = await self.workers[engine].generate(sample, step)
+        if engine in self.dead:
+            raise EngineFailure(f"engine {engine} died mid-call")
+        return result
+
+    async def abort_all(self, step, engines):
+        if self.abort_delay:  # completions race with the abort while it is on its way
+            await asyncio.sleep(self.abort_delay)
+        for e in engines:
+            self.workers[e].abort_all(step)
+
+    def kill(self, engine):
+        self.dead.add(engine)
+        self.workers[engine].engine.abort_all()
+
+
+class LocalProxy:
+    """Async view of a plain object, resolving sample handles in arguments like the Ray shells do."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __getattr__(self, name):
+        fn = getattr(self.obj, name)
+
+        async def call(*args):
+            args = [resolve_groups(a, resolve) if name.startswith("put_") else a for a in args]
+            return fn(*args)
+
+        return call
+
+
+def length_examples(num: int, seed: int, median: int = 20, tail: int = 400) -> list[Example]:
+    """Prompts whose only token is the target response length (log-uniform-ish long tail)."""
+    rng = random.Random(seed)
+    lengths = [min(tail, int(median * 2 ** rng.expovariate(0.7))) for _ in range(num)]
+    return [Example(i, str(L), str(L % 3 == 0)) for i, L in enumerate(lengths)]
+
+
+def parity_reward(prompt, text, answer):
+    return float(answer == "True")
+
+
+def make_rollout_parts(cfg, num_examples=500, seed=0, num_engines=2, cap=16, tick=0.0002, abort_delay=0.0,
+                       reward_fn=parity_reward):
+    from april_ray.rollout import Rollout
+
+    engines = [FakeEngine(tick, seed + e) for e in range(num_engines)]
+    sp = SamplingParams(temperature=1.0)
+    workers = [EngineWorker(e, lambda ids: "x" * len(ids), reward_fn, sp) for e in engines]
+    pool = LocalPool(workers, [cap] * num_engines, abort_delay)
+    source = PromptSource(length_examples(num_examples, seed), lambda text: [int(text)],
+                          cfg.n_samples_per_prompt, cfg.max_response_len, seed)
+    store = PartialRolloutStore(cfg.max_staleness, cfg.stale_policy)
+    rollout = Rollout(cfg, pool, LocalProxy(source), LocalProxy(store))
+    return rollout, pool, source, store, engines

@@ -1,0 +1,214 @@
+"""The monitor, store, source and dispatch logic without Ray, on fake engines with long-tailed lengths."""
+import asyncio
+
+import pytest
+
+from april_ray.config import RolloutConfig
+from april_ray.store import PartialRolloutStore
+from april_ray.types import SampleState
+from tests.fakes import TOKEN, make_rollout_parts, resolve
+
+
+def cfg(**kw):
+    base = dict(rollout_batch_size=4, over_sampling_batch_size=8, n_samples_per_prompt=4, max_response_len=300)
+    return RolloutConfig(**{**base, **kw})
+
+
+def returned_samples(result):
+    return [resolve(h) for group in result.groups for h in group]
+
+
+def check_invariants(result, rollout, source, store, c, seen: set):
+    # Accounting: every group taken from the source is returned, dropped, or in the store.
+    assert source.num_groups_taken == rollout.num_returned_groups + rollout.num_dropped_groups + len(store)
+    assert len(result.groups) == c.rollout_batch_size
+    for s in returned_samples(result):
+        assert s.sample_id not in seen, f"{s.sample_id} returned twice"
+        seen.add(s.sample_id)
+        assert s.state == SampleState.FINISHED and s.reward is not None
+        assert len(s.response_ids) == len(s.logprobs) == len(s.versions) <= c.max_response_len
+        assert set(s.response_ids) <= {TOKEN}
+        target = s.prompt_ids[0]  # the fake's length; a sample never grows past it or the budget
+        assert len(s.response_ids) == min(target, c.max_response_len) or s.num_discarded_tokens
+    for g in store.partial.values():
+        assert not g.is_complete and all(isinstance(s.state, SampleState) for s in g.samples)
+        assert all(s.state != SampleState.RUNNING for s in g.samples)
+
+
+async def run_steps(rollout, source, store, engines, c, num_steps, bump_version=True):
+    seen, results = set(), []
+    for step in range(num_steps):
+        version = step if bump_version else 0
+        for e in engines:
+            e.update_weights(None, version)
+        result = await rollout.step(step, version)
+        check_invariants(result, rollout, source, store, c, seen)
+        results.append(result)
+    return results
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("abort_delay", [0.0, 0.003])
+def test_april_many_steps_nothing_lost_or_duplicated(seed, abort_delay):
+    c = cfg(max_staleness=100)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=seed, abort_delay=abort_delay)
+    results = asyncio.run(run_steps(rollout, source, store, engines, c, 12))
+    assert any(r.metrics["rollout/groups_resumed"] > 0 for r in results)
+    assert any(r.metrics["rollout/off_policy_token_ratio"] > 0 for r in results)
+    resumed = [s for r in results for s in returned_samples(r) if s.num_resumes]
+    assert resumed and any(len(set(s.versions)) > 1 for s in resumed)  # tokens from several policies
+    # versions never decrease along a response, and are at most the step that returned it
+    for r in results:
+        for s in returned_samples(r):
+            assert s.versions == sorted(s.versions) and max(s.versions, default=0) <= r.step
+
+
+def test_resume_continues_with_remaining_budget_across_steps():
+    c = cfg(max_response_len=60, over_sampling_batch_size=12, max_staleness=100)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=4, tick=0.001)
+    results = asyncio.run(run_steps(rollout, source, store, engines, c, 10))
+    capped = [s for r in results for s in returned_samples(r) if s.prompt_ids[0] > 60]
+    assert capped and all(len(s.response_ids) == 60 and s.finish_reason.value == "length" for s in capped)
+    assert any(s.num_resumes >= 1 for s in capped)
+
+
+def test_sync_baseline_waits_for_every_group_and_stores_nothing():
+    c = cfg(partial_rollout=False, over_sampling_batch_size=4)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=5)
+    results = asyncio.run(run_steps(rollout, source, store, engines, c, 4))
+    assert len(store) == 0 and source.num_groups_taken == 16
+    assert all(r.metrics["rollout/abort_latency_s"] == 0 and r.metrics["rollout/off_policy_token_ratio"] == 0
+               for r in results)
+
+
+def test_dispatch_respects_caps_and_balances_load():
+    c = cfg(rollout_batch_size=8, over_sampling_batch_size=16)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=6, num_engines=3, cap=5)
+    asyncio.run(run_steps(rollout, source, store, engines, c, 3))
+    assert all(e.max_running <= 5 for e in engines)
+    calls = [e.num_calls for e in engines]
+    assert min(calls) > 0.6 * max(calls)
+
+
+def test_aborts_racing_completions_keep_surplus_groups_for_next_step():
+    c = cfg(rollout_batch_size=4, over_sampling_batch_size=16, n_samples_per_prompt=2, max_staleness=100)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=7, abort_delay=0.02, cap=64)
+    results = asyncio.run(run_steps(rollout, source, store, engines, c, 6))
+    surplus = [r.metrics["rollout/groups_surplus"] for r in results]
+    assert sum(surplus) > 0
+    # a step after a surplus returns the carried groups first
+    i = next(i for i, n in enumerate(surplus) if n)
+    carried = results[i + 1].returned_group_ids[: min(4, int(surplus[i]))]
+    assert all(g not in results[i].returned_group_ids for g in carried)
+    assert results[i + 1].metrics["rollout/groups_fresh"] + results[i + 1].metrics["rollout/groups_resumed"] >= 0
+
+
+def test_dynamic_filter_drops_uniform_groups_with_reason_and_refills():
+    import random
+
+    rng = random.Random(0)
+
+    def reward(prompt, text, answer):  # every third prompt is "too easy": all its samples score 1
+        return 1.0 if answer == "True" else float(rng.random() < 0.5)
+
+    c = cfg(dynamic_filter=True, max_staleness=100)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=8, reward_fn=reward)
+    results = asyncio.run(run_steps(rollout, source, store, engines, c, 4))
+    assert all(set(r.dropped.values()) <= {"zero_reward_variance"} for r in results)
+    assert sum(len(r.dropped) for r in results) > 0 and rollout.num_dropped_groups > 0
+    for r in results:  # what was kept has signal
+        for group in r.groups:
+            assert len({resolve(h).reward for h in group}) > 1
+
+
+def test_dynamic_filter_that_drops_everything_fails_clearly_and_keeps_samples():
+    c = cfg(dynamic_filter=True, max_filtered_groups=10)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=8)  # parity reward: uniform per group
+    with pytest.raises(RuntimeError, match="dynamic filter dropped"):
+        asyncio.run(rollout.step(0, 0))
+    assert source.num_groups_taken == rollout.num_dropped_groups + len(store)
+    assert all(not e.running for e in engines)  # nothing left generating for nobody
+
+
+def test_engine_death_mid_step_redispatches_without_loss():
+    c = cfg(max_staleness=100)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=9, tick=0.001)
+
+    async def main():
+        seen = set()
+        r0 = await rollout.step(0, 0)
+        check_invariants(r0, rollout, source, store, c, seen)
+        killer = asyncio.get_running_loop().call_later(0.01, pool.kill, 1)
+        r1 = await rollout.step(1, 0)
+        killer.cancel()
+        check_invariants(r1, rollout, source, store, c, seen)
+        return r1
+
+    asyncio.run(main())
+    assert rollout.alive == [True, False]
+
+
+def test_store_staleness_restart_and_keep():
+    from april_ray.types import Group, Sample
+
+    def group(versions):
+        s = Sample("g/0", "g", "p", "a", [1], 100, response_ids=[7] * len(versions), logprobs=[0.0] * len(versions),
+                   versions=versions, state=SampleState.PARTIAL)
+        return Group("g", 0, [s])
+
+    store = PartialRolloutStore(max_staleness=2, stale_policy="restart")
+    store.put_partial([group([1, 1, 3])])
+    [g] = store.take_partial(5, version=4)  # 4 - 1 > 2: restarted from the prompt
+    s = g.samples[0]
+    assert s.response_ids == [] and s.state == SampleState.QUEUED and s.num_discarded_tokens == 3
+    store.put_partial([group([2, 3])])
+    [g] = store.take_partial(5, version=4)  # 4 - 2 = 2: within the bound, resumed as is
+    assert g.samples[0].response_ids == [7, 7]
+    keep = PartialRolloutStore(max_staleness=0, stale_policy="keep")
+    keep.put_partial([group([0])])
+    assert keep.take_partial(1, version=9)[0].samples[0].versions == [0]
+
+
+def test_store_hands_out_oldest_first():
+    from april_ray.types import Group, Sample
+
+    store = PartialRolloutStore(max_staleness=5)
+    for i in range(4):
+        s = Sample(f"g{i}/0", f"g{i}", "p", "a", [1], 10, response_ids=[7], logprobs=[0.0], versions=[0],
+                   state=SampleState.PARTIAL)
+        store.put_partial([Group(f"g{i}", i, [s])])
+    assert [g.group_id for g in store.take_partial(3, 0)] == ["g0", "g1", "g2"]
+
+
+def test_save_restore_mid_run_loses_and_repeats_nothing():
+    import pickle
+
+    c = cfg(max_staleness=100)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=10)
+    first = asyncio.run(run_steps(rollout, source, store, engines, c, 3))
+    saved = pickle.dumps((source.state_dict(), store.state_dict(), rollout.num_returned_groups))
+    # a fresh process: new source and store, restored from the checkpoint
+    rollout2, pool2, source2, store2, engines2 = make_rollout_parts(c, seed=10)
+    src_state, store_state, returned = pickle.loads(saved)
+    source2.load_state_dict(src_state)
+    store2.load_state_dict(store_state)
+    rollout2.num_returned_groups = returned
+    partial_before = set(store2.partial)
+
+    async def more():
+        seen = {s.sample_id for r in first for s in returned_samples(r)}
+        out = []
+        for step in range(3, 6):
+            r = await rollout2.step(step, step)
+            check_invariants(r, rollout2, source2, store2, c, seen)
+            out.append(r)
+        return out
+
+    later = asyncio.run(more())
+    ids_first = {g for r in first for g in r.returned_group_ids}
+    ids_later = [g for r in later for g in r.returned_group_ids]
+    assert not ids_first & set(ids_later) and len(ids_later) == len(set(ids_later))
+    resumed = partial_before & set(ids_later) | partial_before & set(store2.partial)
+    assert resumed == partial_before  # every stored prompt came back or is still waiting
+    # the restored cursor continues exactly where it stopped
+    assert source2.num_groups_taken == rollout2.num_returned_groups + len(store2)
