@@ -84,7 +84,7 @@ class TaskConfig:
 class EngineConfig:
     backend: str = "cpu"
     """cpu: the embedded continuous-batching engine. sglang: SGLang servers on GPU nodes."""
-    max_num_seqs: int = 256
+    max_num_seqs: int = 64
     """Concurrency cap: sequences in the running batch (and KV-cache slots)."""
     max_model_len: int = 640
     """Prompt plus response tokens per sequence (KV-cache length)."""
@@ -111,9 +111,9 @@ class RolloutConfig:
     top_k: int = -1
     partial_rollout: bool = True
     """true: APRIL (over-provision, interrupt, recycle). false: the synchronous baseline."""
-    max_staleness: int = 2
+    max_staleness: int = 4
     """A partial sample whose oldest token is more than this many versions old is handled by stale_policy."""
-    stale_policy: str = "restart"
+    stale_policy: str = "keep"
     """restart: drop its tokens and start again from the prompt. keep: keep them (the learner may mask)."""
     dynamic_filter: bool = False
     """DAPO dynamic sampling: drop complete groups whose rewards all agree, and refill their slots."""
@@ -122,6 +122,70 @@ class RolloutConfig:
     num_engines: int = 2
     abort_resend_s: float = 2.0
     """Re-send the abort if requests are still outstanding after this long (aborts are idempotent)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    """grpo, dapo or gspo. Presets below are GRPO's; configs/ sets DAPO's and GSPO's published values."""
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    """DAPO's clip-higher uses 0.28; GSPO clips the sequence ratio at about 3e-4 / 4e-4."""
+    loss_aggregation: str = "seq_mean_token_mean"
+    """token_mean (DAPO) or seq_mean_token_mean (GRPO as published); GSPO averages over sequences."""
+    normalize_adv_std: bool = True
+    kl_coef: float = 0.0
+    """Weight of k3 KL to the reference model (the warm-up policy); 0 loads no reference model."""
+    tis_cap: float = 2.0
+    """Truncated importance sampling: per-token weight min(pi_old / pi_behaviour, tis_cap); 0 disables."""
+    mask_older_than: int = -1
+    """Mask tokens sampled more than this many versions ago out of the loss; -1 disables."""
+    overlong_buffer: int = 0
+    """DAPO overlong shaping: penalise the last this-many tokens of the budget linearly down to -1; 0 disables."""
+
+
+@dataclass
+class LearnerConfig:
+    backend: str = "deepspeed"
+    """deepspeed (ZeRO; gloo on CPU, NCCL/RCCL on GPU) or torch (plain AdamW, one rank)."""
+    num_ranks: int = 1
+    """Data-parallel world size: one learner actor per rank."""
+    zero_stage: int = 1
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 16384
+    """Padded tokens per forward/backward micro-batch."""
+    num_threads: int = 2
+    gpus: int = 0
+    """GPUs per learner rank."""
+    cpus: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    num_steps: int = 60
+    eval_every: int = 10
+    save_every: int = 20
+    resume: bool = False
+    """Continue from the latest checkpoint in output_dir (policy, optimizer, cursor, store, version)."""
+    output_dir: str = "outputs/train"
+    eval_greedy: bool = True
+    seed: int = 0
+
+
+@dataclass
+class PlacementConfig:
+    """How actors map onto the cluster: one placement group, a bundle per engine (and learner rank)."""
+
+    strategy: str = "PACK"
+    """PACK, SPREAD, STRICT_PACK or STRICT_SPREAD (Ray placement-group strategies)."""
+    engine_gpus: int = 0
+    """GPUs per engine (its tensor-parallel size); 0 on CPU."""
+    engine_cpus: float = 1.0
+    colocate: bool = False
+    """true: learner rank i shares engine i's bundle (GPUs time-shared between rollout and training).
+    false: disaggregated, the learner has bundles of its own."""
 
 
 @dataclass
@@ -139,6 +203,10 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -148,6 +216,11 @@ _CHOICES = {
     "engine.backend": ("cpu", "sglang"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "rollout.stale_policy": ("restart", "keep"),
+    "placement.strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    "algorithm.name": ("grpo", "dapo", "gspo"),
+    "algorithm.loss_aggregation": ("token_mean", "seq_mean_token_mean"),
+    "learner.backend": ("deepspeed", "torch"),
+    "learner.zero_stage": (0, 1, 2, 3),
 }
 _POSITIVE = (
     "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads", "model.head_dim",
@@ -156,7 +229,9 @@ _POSITIVE = (
     "task.length.alpha", "task.length.min_terms", "task.max_step", "engine.max_num_seqs", "engine.max_model_len",
     "engine.max_prefill_tokens", "engine.num_threads", "rollout.rollout_batch_size",
     "rollout.over_sampling_batch_size", "rollout.n_samples_per_prompt", "rollout.max_response_len",
-    "rollout.top_p", "rollout.num_engines", "rollout.abort_resend_s",
+    "rollout.top_p", "rollout.num_engines", "rollout.abort_resend_s", "placement.engine_cpus",
+    "learner.num_ranks", "learner.lr", "learner.micro_batch_tokens", "learner.num_threads", "train.num_steps",
+    "train.eval_every", "train.save_every",
 )
 
 
@@ -184,6 +259,16 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("task.train_path: the math task needs a dataset file")
     if cfg.engine.max_model_len > cfg.model.max_position_embeddings:
         raise ConfigError("engine.max_model_len: exceeds model.max_position_embeddings")
+    if cfg.placement.engine_gpus < 0:
+        raise ConfigError("placement.engine_gpus: must be >= 0")
+    if cfg.learner.backend == "torch" and cfg.learner.num_ranks != 1:
+        raise ConfigError("learner.num_ranks: the torch backend trains on one rank; use learner.backend=deepspeed")
+    if cfg.placement.colocate and cfg.learner.num_ranks > cfg.rollout.num_engines:
+        raise ConfigError("learner.num_ranks: colocation puts each rank in an engine's bundle; "
+                          "needs learner.num_ranks <= rollout.num_engines")
+    a = cfg.algorithm
+    if a.clip_low < 0 or a.clip_high < 0 or a.kl_coef < 0 or a.tis_cap < 0 or a.overlong_buffer < 0:
+        raise ConfigError("algorithm.clip_low, clip_high, kl_coef, tis_cap, overlong_buffer: must be >= 0")
     r = cfg.rollout
     if r.over_sampling_batch_size < r.rollout_batch_size:
         raise ConfigError(f"rollout.over_sampling_batch_size: must be >= rollout.rollout_batch_size "

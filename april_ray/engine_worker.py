@@ -7,11 +7,15 @@ reward is computed here, the moment a sample finishes, so no reward call ever si
 
 Aborts are race-free through a step gate: `abort_all(step)` closes the step, and a `generate` for a
 closed step that arrives later (it was in flight in Ray's queue when the abort ran) returns at once,
-untouched, instead of escaping the abort (DESIGN-NOTES, item 5).
+untouched, instead of escaping the abort (DESIGN-NOTES, item 5). A step is any hashable token unique
+to one rollout step; the monitor uses (its run id, step number), so a new monitor on the same engines
+starts with open steps.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections import deque
 
 from april_ray.types import GenerateRequest, Sample, SampleMeta, SampleState, SamplingParams
 
@@ -30,10 +34,10 @@ class EngineWorker:
         self.decode = decode
         self.reward_fn = reward_fn
         self.sampling = sampling
-        self.closed_step = -1
+        self.closed_steps: deque = deque(maxlen=64)
 
-    async def generate(self, sample: Sample, step: int) -> tuple[SampleMeta, Sample]:
-        if step <= self.closed_step:
+    async def generate(self, sample: Sample, step) -> tuple[SampleMeta, Sample]:
+        if step in self.closed_steps:
             return sample_meta(sample, 0), sample
         sample = dataclasses.replace(sample, num_resumes=sample.num_resumes + bool(sample.response_ids))
         sp = dataclasses.replace(self.sampling, max_new_tokens=sample.remaining_budget)
@@ -44,8 +48,42 @@ class EngineWorker:
             sample.reward = float(self.reward_fn(sample.prompt, text, sample.answer))
         return sample_meta(sample, out.num_tokens), sample
 
-    def abort_all(self, step: int) -> int:
-        self.closed_step = max(self.closed_step, step)
+    async def generate_group(self, samples: list[Sample], step) -> tuple[list[SampleMeta], list[Sample]]:
+        results = await asyncio.gather(*[self.generate(s, step) for s in samples])
+        return [m for m, _ in results], [s for _, s in results]
+
+    async def throughput_probe(self, prompts: list[list[int]], concurrency: int, seconds: float) -> tuple[int, float]:
+        """Saturated throughput on this workload: keep `concurrency` requests running for `seconds`,
+        replacing each finished one at once with the next prompt (real stop token and budget)."""
+        import itertools
+        import time
+
+        counter = itertools.count()
+        t_end = time.perf_counter() + seconds
+
+        async def lane() -> int:
+            tokens = 0
+            while time.perf_counter() < t_end:
+                i = next(counter)
+                out = await self.engine.generate(GenerateRequest(f"probe-{i}", prompts[i % len(prompts)], self.sampling))
+                tokens += out.num_tokens
+            return tokens
+
+        t0 = time.perf_counter()
+        total = sum(await asyncio.gather(*[lane() for _ in range(concurrency)]))
+        return total, time.perf_counter() - t0
+
+    async def evaluate(self, items: list[tuple[str, list[int], str]], temperature: float, tag: str) -> list[float]:
+        """Reward of one response per (prompt, prompt_ids, answer) at `temperature` (0: greedy)."""
+        sp = dataclasses.replace(self.sampling, temperature=temperature)
+        outs = await asyncio.gather(*[self.engine.generate(GenerateRequest(f"{tag}-{i}", ids, sp))
+                                      for i, (_, ids, _) in enumerate(items)])
+        return [float(self.reward_fn(prompt, self.decode(o.token_ids), answer))
+                for (prompt, _, answer), o in zip(items, outs)]
+
+    def abort_all(self, step) -> int:
+        if step not in self.closed_steps:
+            self.closed_steps.append(step)
         return self.engine.abort_all()
 
     def update_weights(self, state_dict, version: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Protocol
@@ -34,11 +35,11 @@ class EngineFailure(RuntimeError):
 class EnginePool(Protocol):
     capacities: list[int]
 
-    def generate(self, engine: int, sample: Any, step: int) -> tuple[Awaitable[SampleMeta], Any]:
-        """Start one call; returns (future of its meta, handle of the resulting Sample)."""
+    def generate(self, engine: int, samples: list[Any], step) -> tuple[Awaitable[list[SampleMeta]], list[Any]]:
+        """Start one call for some samples of a group; returns (future of their metas, a handle per sample)."""
 
-    async def abort_all(self, step: int, engines: list[int]) -> None:
-        """Close `step` on these engines and abort what they run (idempotent)."""
+    async def abort_all(self, step, engines: list[int]) -> None:
+        """Close the step token on these engines and abort what they run (idempotent)."""
 
 
 @dataclass
@@ -91,6 +92,8 @@ class Rollout:
         self.store = store
         self.clock = clock
         self.alive = [True] * len(pool.capacities)
+        self.run_id = uuid.uuid4().hex[:8]
+        """Step tokens sent to engines are (run_id, step): unique even when another monitor reuses them."""
         self.num_returned_groups = 0
         self.num_dropped_groups = 0
 
@@ -103,6 +106,7 @@ class Rollout:
             self._group_done(group.group_id)
         await self._top_up()
         self._dispatch()
+        self.t_dispatched = self.clock() - t0
         while self.pending and len(self.completed) < self.cfg.rollout_batch_size:
             done, _ = await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
             for fut in done:
@@ -120,9 +124,11 @@ class Rollout:
 
     def _begin(self, step: int, version: int) -> None:
         self.step_id, self.version = step, version
+        self.token = (self.run_id, step)
         self.flights: dict[str, _Flight] = {}
-        self.queue: deque[tuple[str, int]] = deque()
-        self.pending: dict[asyncio.Future, tuple[str, int, int, Any]] = {}
+        self.queue: deque[str] = deque()
+        """Groups with unfinished samples waiting to be dispatched."""
+        self.pending: dict[asyncio.Future, tuple[str, list[int], int, list[Any]]] = {}
         self.load = [0] * len(self.pool.capacities)
         self.completed: list[str] = []
         self.dropped: dict[str, str] = {}
@@ -163,39 +169,47 @@ class Rollout:
         for i, s in enumerate(group.samples):
             if s.state == SampleState.FINISHED:
                 flight.metas[i] = sample_meta(s, 0)
-            elif dispatch:
-                self.queue.append((group.group_id, i))
+        if dispatch and not flight.complete:
+            self.queue.append(group.group_id)
 
     def _dispatch(self) -> None:
-        while self.queue:
-            free = [e for e, cap in enumerate(self.pool.capacities) if self.alive[e] and self.load[e] < cap]
-            if not free:
-                return
-            engine = min(free, key=lambda e: self.load[e] / self.pool.capacities[e])
-            gid, i = self.queue.popleft()
+        """Send each queued group's unfinished samples, in one call, to the least-loaded live engine.
+
+        One call per group, not per sample: a group is the unit of completion, and Ray's per-call cost
+        would otherwise rival a tiny model's decode step. The engine's own scheduler enforces its
+        concurrency cap (excess requests wait in its queue, as on an SGLang server).
+        """
+        live = [e for e, ok in enumerate(self.alive) if ok]
+        while self.queue and live:
+            engine = min(live, key=lambda e: self.load[e] / self.pool.capacities[e])
+            gid = self.queue.popleft()
             flight = self.flights[gid]
-            fut, handle = self.pool.generate(engine, flight.handles[i], self.step_id)
-            self.pending[asyncio.ensure_future(fut)] = (gid, i, engine, handle)
-            flight.states[i] = SampleState.RUNNING
-            self.load[engine] += 1
+            idx = [i for i, st in enumerate(flight.states) if st != SampleState.FINISHED]
+            fut, handles = self.pool.generate(engine, [flight.handles[i] for i in idx], self.token)
+            self.pending[asyncio.ensure_future(fut)] = (gid, idx, engine, handles)
+            for i in idx:
+                flight.states[i] = SampleState.RUNNING
+            self.load[engine] += len(idx)
 
     def _on_result(self, fut: asyncio.Future) -> None:
-        gid, i, engine, handle = self.pending.pop(fut)
-        self.load[engine] -= 1
+        gid, idx, engine, handles = self.pending.pop(fut)
+        self.load[engine] -= len(idx)
         flight = self.flights[gid]
         try:
-            meta = fut.result()
+            metas = fut.result()
         except EngineFailure:
             self.alive[engine] = False
-            flight.states[i] = flight.group.samples[i].state if flight.metas[i] is None else flight.metas[i].state
-            self.queue.appendleft((gid, i))  # resend from the state it was sent in
+            for i in idx:  # resend from the state they were sent in
+                flight.states[i] = flight.metas[i].state if flight.metas[i] else flight.group.samples[i].state
+            self.queue.appendleft(gid)
             return
-        flight.handles[i], flight.metas[i], flight.states[i] = handle, meta, meta.state
-        self.generated_tokens += meta.num_new_tokens
+        for i, handle, meta in zip(idx, handles, metas):
+            flight.handles[i], flight.metas[i], flight.states[i] = handle, meta, meta.state
+            self.generated_tokens += meta.num_new_tokens
         if flight.complete:
             self._group_done(gid)
-        elif meta.state != SampleState.FINISHED and not self._closed:
-            self.queue.append((gid, i))  # aborted by someone else before our interrupt: resume it
+        elif not self._closed:
+            self.queue.append(gid)  # aborted by someone else before our interrupt: resume it
 
     @property
     def _closed(self) -> bool:
@@ -212,13 +226,13 @@ class Rollout:
         """Abort every engine and wait until every outstanding call has resolved; returns re-sends."""
         self.queue.clear()  # undispatched samples stay as they are, in their groups
         engines = [e for e, ok in enumerate(self.alive) if ok]
-        await self.pool.abort_all(self.step_id, engines)
+        await self.pool.abort_all(self.token, engines)
         resends = 0
         while self.pending:
             done, _ = await asyncio.wait(self.pending, timeout=self.cfg.abort_resend_s)
             if not done:
                 resends += 1
-                await self.pool.abort_all(self.step_id, [e for e, ok in enumerate(self.alive) if ok])
+                await self.pool.abort_all(self.token, [e for e, ok in enumerate(self.alive) if ok])
             for fut in done:
                 self._on_result(fut)
             self.queue.clear()
@@ -228,18 +242,22 @@ class Rollout:
     async def _finish(self, t0: float, abort_latency: float, resends: int) -> StepResult:
         n = self.cfg.rollout_batch_size
         batch, surplus = self.completed[:n], self.completed[n:]
+        t_store = self.clock()
         partial = await self._stash(surplus)
         self.num_returned_groups += len(batch)
         self.num_dropped_groups += len(self.dropped)
         metas = [list(self.flights[g].metas) for g in batch]
         staleness = self._staleness(metas)
         wall = self.clock() - t0
+        t_stored = self.clock() - t_store
         trained = sum(m.response_len for ms in metas for m in ms)
         off_policy = sum(c for age, c in staleness.items() if age > 0)
         metrics = {
             "rollout/wall_s": wall,
             "rollout/abort_latency_s": abort_latency,
             "rollout/abort_resends": resends,
+            "rollout/start_s": self.t_dispatched,
+            "rollout/store_s": t_stored,
             "rollout/generated_tokens": self.generated_tokens,
             "rollout/trained_tokens": trained,
             "rollout/effective_tok_s": trained / wall,

@@ -19,3 +19,20 @@ def parse(description: str, extra=None) -> tuple[Config, argparse.Namespace]:
         extra(parser)
     args = parser.parse_args()
     return config_from_args(args), args
+
+
+def init_ray(cfg: Config, address: str | None = None) -> None:
+    """Join the cluster when there is one (`ray job submit`, RAY_ADDRESS), else start a local one.
+
+    A local cluster gets enough logical CPUs for every bundle of the job's placement group (plus one
+    for the driver-side actors), even on a 2-core laptop: the processes share the cores."""
+    import ray
+
+    from april_ray.placement import plan
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+        return
+    need = sum(b.get("CPU", 0) for b in plan(cfg).bundles) + 1
+    ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False)

@@ -18,8 +18,9 @@ TOKEN = 7
 class FakeEngine:
     """Every running request gets one token per tick; it stops when its response reaches input_ids[0]."""
 
-    def __init__(self, tick: float = 0.0002, seed: int = 0):
+    def __init__(self, tick: float = 0.0002, seed: int = 0, cap: int = 1 << 30):
         self.tick = tick
+        self.cap = cap
         self.rng = random.Random(seed)
         self.version = 0
         self.running: dict[str, list] = {}
@@ -31,7 +32,7 @@ class FakeEngine:
         fut = asyncio.get_running_loop().create_future()
         self.running[req.request_id] = [req, [], fut]
         self.num_calls += 1
-        self.max_running = max(self.max_running, len(self.running))
+        self.max_running = max(self.max_running, min(self.cap, len(self.running)))
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._loop())
         return await fut
@@ -39,7 +40,7 @@ class FakeEngine:
     async def _loop(self):
         while self.running:
             await asyncio.sleep(self.tick * self.rng.uniform(0.5, 1.5))
-            for rid, (req, toks, fut) in list(self.running.items()):
+            for rid, (req, toks, fut) in list(self.running.items())[: self.cap]:  # the rest wait
                 toks.append(TOKEN)
                 total = len(req.input_ids) - 1 + len(toks)
                 if total >= req.input_ids[0]:
@@ -72,11 +73,12 @@ class FakeEngine:
 
 
 class LocalHandle:
-    def __init__(self, task):
+    def __init__(self, task, index):
         self.task = task
+        self.index = index
 
     def value(self):
-        return self.task.result()[1]
+        return self.task.result()[1][self.index]
 
 
 def resolve(x):
@@ -90,18 +92,18 @@ class LocalPool:
         self.abort_delay = abort_delay
         self.dead: set[int] = set()
 
-    def generate(self, engine, sample, step):
-        task = asyncio.ensure_future(self._call(engine, resolve(sample), step))
+    def generate(self, engine, samples, step):
+        task = asyncio.ensure_future(self._call(engine, [resolve(s) for s in samples], step))
 
-        async def meta():
+        async def metas():
             return (await task)[0]
 
-        return meta(), LocalHandle(task)
+        return metas(), [LocalHandle(task, i) for i in range(len(samples))]
 
-    async def _call(self, engine, sample, step):
+    async def _call(self, engine, samples, step):
         if engine in self.dead:
             raise EngineFailure(f"engine {engine} is dead")
-        result = await self.workers[engine].generate(sample, step)
+        result = await self.workers[engine].generate_group(samples, step)
         if engine in self.dead:
             raise EngineFailure(f"engine {engine} died mid-call")
         return result
@@ -148,7 +150,7 @@ def make_rollout_parts(cfg, num_examples=500, seed=0, num_engines=2, cap=16, tic
                        reward_fn=parity_reward):
     from april_ray.rollout import Rollout
 
-    engines = [FakeEngine(tick, seed + e) for e in range(num_engines)]
+    engines = [FakeEngine(tick, seed + e, cap) for e in range(num_engines)]
     sp = SamplingParams(temperature=1.0)
     workers = [EngineWorker(e, lambda ids: "x" * len(ids), reward_fn, sp) for e in engines]
     pool = LocalPool(workers, [cap] * num_engines, abort_delay)

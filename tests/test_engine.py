@@ -7,7 +7,8 @@ from april_ray.engine.async_engine import AsyncEngine
 from april_ray.engine.cpu_engine import LLMEngine
 from april_ray.types import FinishReason, GenerateRequest, SamplingParams
 
-PROMPTS = ["0052-3:", "12-1:", "0999-2: 0997", "7-1:", "hello world", "0153-3: 0150 0147 0144"]
+# Mixed lengths: the 90-character prompt puts decode rows in different span buckets.
+PROMPTS = ["0052-3:", "12-1:", "0999-2: 0997", "7-1:", "hello world", "0153-3: 0150 0147 0144", "0321-1:" + " 0320" * 17]
 
 
 def greedy(n=24):
@@ -24,10 +25,11 @@ def requests(tok, sp, prompts=PROMPTS):
     return [GenerateRequest(f"r{i}", tok.encode(p), sp) for i, p in enumerate(prompts)]
 
 
-def test_greedy_matches_hf_generate_with_requests_joining_mid_batch(policy):
+@pytest.mark.parametrize("max_num_seqs", [2, 8])
+def test_greedy_matches_hf_generate_with_requests_joining_mid_batch(policy, max_num_seqs):
     model, tok = policy
-    # 2 slots for 6 requests: requests join as others leave, at token granularity
-    engine = LLMEngine(model, max_num_seqs=2, max_model_len=128)
+    # 2 slots for 7 requests: requests join as others leave, at token granularity
+    engine = LLMEngine(model, max_num_seqs=max_num_seqs, max_model_len=128)
     outs = engine.generate(requests(tok, greedy()))
     for p, out in zip(PROMPTS, outs):
         assert out.token_ids == hf_greedy(model, tok.encode(p), 24), p
@@ -138,7 +140,7 @@ def test_stats_count_tokens_and_record_occupancy(policy):
     engine = LLMEngine(model, max_num_seqs=3, max_model_len=128)
     outs = engine.generate(requests(tok, greedy(10)))
     stats = engine.stats()
-    assert stats.num_generated_tokens == sum(o.num_tokens for o in outs) == 60
+    assert stats.num_generated_tokens == sum(o.num_tokens for o in outs) == 10 * len(PROMPTS)
     assert stats.busy_s > 0 and max(n for _, n in stats.occupancy) == 3
     assert engine.stats().occupancy == []  # drained
 

@@ -20,6 +20,18 @@ from april_ray.engine.scheduler import Scheduler, Sequence
 from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
 
 
+def prefill_chunks(seqs: list[Sequence], max_padded_tokens: int) -> list[list[Sequence]]:
+    """Length-sorted chunks whose padded size (rows x longest row) stays under the budget: resumed
+    samples run from 10 to 500 tokens, and one padded batch of them costs many times their real size."""
+    chunks: list[list[Sequence]] = []
+    for seq in sorted(seqs, key=lambda s: s.num_tokens):
+        if chunks and (len(chunks[-1]) + 1) * seq.num_tokens <= max_padded_tokens:
+            chunks[-1].append(seq)
+        else:
+            chunks.append([seq])
+    return chunks
+
+
 class LLMEngine:
     def __init__(self, model, max_num_seqs: int = 256, max_model_len: int = 640,
                  max_prefill_tokens: int = 8192, seed: int = 0, version: int = 0):
@@ -70,14 +82,18 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # -- weights --------------------------------------------------------------------------------------
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    def update_weights(self, state_dict: dict[str, torch.Tensor] | None, version: int) -> None:
         """In-place update between steps; tokens sampled from now on carry `version`.
+
+        `state_dict=None` adopts the version only, for weights delivered by another channel (on GPU,
+        an NCCL broadcast into the engine's own parameters).
 
         Running sequences keep the KV cache their old weights computed (SGLang's in-place mode behaves
         the same); the per-token versions record exactly which weights sampled each token.
         """
-        with torch.no_grad():
-            self.runner.model.load_state_dict(state_dict, strict=True)
+        if state_dict is not None:
+            with torch.no_grad():
+                self.runner.model.load_state_dict(state_dict, strict=True)
         self.version = version
 
     # -- the loop -------------------------------------------------------------------------------------
@@ -85,12 +101,10 @@ class LLMEngine:
         """Admit and prefill waiting requests, then decode one token for every running one."""
         t0 = time.perf_counter()
         finished: list[GenerateOutput] = []
-        admitted = self.scheduler.admit()
-        if admitted:
-            logits = self.runner.prefill([s.request.input_ids + s.token_ids for s in admitted],
-                                         [s.slot for s in admitted])
-            self.num_prefill_tokens += sum(s.num_tokens for s in admitted)
-            finished += self._sample(admitted, logits)
+        for chunk in prefill_chunks(self.scheduler.admit(), self.scheduler.max_prefill_tokens):
+            logits = self.runner.prefill([s.request.input_ids + s.token_ids for s in chunk], [s.slot for s in chunk])
+            self.num_prefill_tokens += sum(s.num_tokens for s in chunk)
+            finished += self._sample(chunk, logits)
         running = list(self.scheduler.running)
         if running:
             logits = self.runner.decode([s.last_token for s in running], [s.num_tokens - 1 for s in running])

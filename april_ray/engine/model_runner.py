@@ -86,9 +86,8 @@ class ModelRunner:
         b = len(last_tokens)
         pos = torch.tensor(positions)
         rows = torch.arange(b)
-        span = int(pos.max()) + 1
         cos, sin = self.cos[pos][:, None, None, :], self.sin[pos][:, None, None, :]
-        mask = (torch.arange(span)[None, :] <= pos[:, None])[:, None, None, :]
+        buckets = self._span_buckets(pos)
 
         def attend(layer_idx):
             def fn(attn, h):
@@ -96,14 +95,39 @@ class ModelRunner:
                 kc, vc = self.k_cache[layer_idx], self.v_cache[layer_idx]
                 kc[rows, :, pos] = k[:, :, 0]
                 vc[rows, :, pos] = v[:, :, 0]
-                return F.scaled_dot_product_attention(
-                    q, kc[:b, :, :span], vc[:b, :, :span], attn_mask=mask, enable_gqa=True)
+                if len(buckets) == 1:
+                    _, span, mask = buckets[0]
+                    return F.scaled_dot_product_attention(
+                        q, kc[:b, :, :span], vc[:b, :, :span], attn_mask=mask, enable_gqa=True)
+                out = torch.empty_like(q)
+                for idx, span, mask in buckets:
+                    out[idx] = F.scaled_dot_product_attention(
+                        q[idx], kc[idx, :, :span], vc[idx, :, :span], attn_mask=mask, enable_gqa=True)
+                return out
             return fn
 
         x = self.model.model.embed_tokens(torch.tensor(last_tokens))[:, None, :]
         for i, layer in enumerate(self.layers):
             x = self._block(layer, x, attend(i))
         return self._logits(x[:, 0])
+
+    @staticmethod
+    def _span_buckets(pos: torch.Tensor, min_span: int = 64):
+        """Group sequences by power-of-two span, so a few long ones don't make every row attend over
+        the longest context (on a long tail that padding was most of the decode time)."""
+        span_of = torch.clamp(pos + 1, min=min_span)
+        bucket = torch.ceil(torch.log2(span_of.float())).long()
+        keys = torch.unique(bucket)
+        if len(keys) == 1:
+            span = int(pos.max()) + 1
+            return [(None, span, (torch.arange(span)[None, :] <= pos[:, None])[:, None, None, :])]
+        out = []
+        for key in keys.tolist():
+            idx = (bucket == key).nonzero()[:, 0]
+            p = pos[idx]
+            span = int(p.max()) + 1
+            out.append((idx, span, (torch.arange(span)[None, :] <= p[:, None])[:, None, None, :]))
+        return out
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         self.k_cache[:, dst, :, :length] = self.k_cache[:, src, :, :length]

@@ -1,0 +1,57 @@
+"""EngineWorker actor: an async shell around `april_ray.engine_worker.EngineWorker`.
+
+One actor per engine; it serves many concurrent `generate` calls on its event loop. `generate` returns
+two object refs: the small `SampleMeta` that the monitor reads, and the `Sample`, which only its consumer
+(the store, or a learner rank) ever fetches.
+"""
+from __future__ import annotations
+
+import ray
+
+from april_ray.config import EngineConfig, RolloutConfig
+from april_ray.engine_worker import EngineWorker
+from april_ray.types import SamplingParams
+
+
+@ray.remote
+class EngineWorkerActor:
+    def __init__(self, engine_cfg: EngineConfig, rollout_cfg: RolloutConfig, task_name: str, model_path: str,
+                 version: int = 0):
+        from transformers import AutoTokenizer
+
+        from april_ray.engine import build_engine
+        from april_ray.rewards import get_reward_fn
+
+        tok = AutoTokenizer.from_pretrained(model_path)
+        sampling = SamplingParams(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k,
+                                  rollout_cfg.max_response_len, (tok.eos_token_id,))
+        self.worker = EngineWorker(build_engine(engine_cfg, model_path, version),
+                                   lambda ids: tok.decode(ids, skip_special_tokens=True),
+                                   get_reward_fn(task_name), sampling)
+
+    async def generate_group(self, step, *samples):
+        """Call with `.options(num_returns=len(samples) + 1)`: returns the metas, then one ref per sample.
+
+        Samples are positional arguments so that Ray resolves any object refs among them."""
+        metas, out = await self.worker.generate_group(list(samples), step)
+        return (metas, *out)
+
+    async def throughput_probe(self, prompts: list[list[int]], concurrency: int, seconds: float):
+        return await self.worker.throughput_probe(prompts, concurrency, seconds)
+
+    async def evaluate(self, items, temperature: float, tag: str) -> list[float]:
+        return await self.worker.evaluate(items, temperature, tag)
+
+    async def abort_all(self, step) -> int:
+        return self.worker.abort_all(step)
+
+    async def update_weights(self, state_dict, version: int) -> None:
+        self.worker.update_weights(state_dict, version)
+
+    async def where(self) -> tuple[str, list[str]]:
+        """(node id, accelerator ids Ray assigned to this actor)."""
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]
+
+    async def stats(self, drain: bool = True):
+        return self.worker.stats(drain)

@@ -1,0 +1,65 @@
+"""CompletionMonitor actor: runs `april_ray.rollout.Rollout` against engine, source and store actors."""
+from __future__ import annotations
+
+import asyncio
+
+import ray
+from ray.exceptions import RayActorError
+
+from april_ray.config import RolloutConfig
+from april_ray.rollout import EngineFailure, Rollout
+
+
+class RayProxy:
+    """`proxy.method(*args)` is `actor.method.remote(*args)`: an awaitable object ref."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def __getattr__(self, name):
+        return getattr(self.actor, name).remote
+
+
+class RayEnginePool:
+    def __init__(self, engines, capacities: list[int]):
+        self.engines = engines
+        self.capacities = capacities
+
+    def generate(self, engine: int, samples: list, step):
+        method = self.engines[engine].generate_group.options(num_returns=len(samples) + 1)
+        meta_ref, *sample_refs = method.remote(step, *samples)
+        return self._meta(meta_ref), sample_refs
+
+    @staticmethod
+    async def _meta(ref):
+        try:
+            return await ref
+        except RayActorError as e:
+            raise EngineFailure(str(e)) from e
+
+    async def abort_all(self, step, engines: list[int]) -> None:
+        results = await asyncio.gather(*[self.engines[e].abort_all.remote(step) for e in engines],
+                                       return_exceptions=True)
+        for r in results:  # a dead engine's calls fail on their own; anything else is a bug
+            if isinstance(r, Exception) and not isinstance(r, RayActorError):
+                raise r
+
+
+@ray.remote(num_cpus=0)
+class CompletionMonitorActor:
+    def __init__(self, cfg: RolloutConfig, engines, capacities: list[int], source, store):
+        self.rollout = Rollout(cfg, RayEnginePool(engines, capacities), RayProxy(source), RayProxy(store))
+
+    async def step(self, step: int, version: int):
+        result = await self.rollout.step(step, version)
+        # Carried-over groups came back from the store as values: give them refs like the rest.
+        result.groups = [[s if isinstance(s, ray.ObjectRef) else ray.put(s) for s in g] for g in result.groups]
+        return result
+
+    async def counters(self) -> dict:
+        return {"returned_groups": self.rollout.num_returned_groups,
+                "dropped_groups": self.rollout.num_dropped_groups, "alive_engines": self.rollout.alive}
+
+    async def restore_counters(self, counters: dict) -> None:
+        self.rollout.num_returned_groups = counters["returned_groups"]
+        self.rollout.num_dropped_groups = counters["dropped_groups"]

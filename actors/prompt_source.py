@@ -1,0 +1,31 @@
+"""PromptSource actor: a shell around `april_ray.prompt_source.PromptSource`."""
+from __future__ import annotations
+
+import ray
+
+from april_ray.prompt_source import PromptSource
+
+
+@ray.remote(num_cpus=0)
+class PromptSourceActor:
+    def __init__(self, data_path: str, prompt_key: str, answer_key: str, model_path: str, n_samples: int,
+                 max_response_len: int, seed: int):
+        from transformers import AutoTokenizer
+
+        from april_ray.data import read_examples
+
+        tok = AutoTokenizer.from_pretrained(model_path)
+        self.source = PromptSource(read_examples(data_path, prompt_key, answer_key), tok.encode, n_samples,
+                                   max_response_len, seed)
+
+    def take(self, num_groups: int, step: int):
+        return self.source.take(num_groups, step)
+
+    def num_groups_taken(self) -> int:
+        return self.source.num_groups_taken
+
+    def state_dict(self) -> dict:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.source.load_state_dict(state)

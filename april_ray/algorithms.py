@@ -1,0 +1,105 @@
+"""Policy-gradient losses for GRPO, DAPO and GSPO, with off-policy handling for partial rollouts.
+
+All tensors are padded [B, T] over response tokens with a 0/1 `mask`. Three logprobs meet here:
+- `logp`: the current policy's, with gradient;
+- `old_logp`: pi_old, the policy at the start of this train step (detached);
+- `behaviour_logp`: what the engine sampled with, recorded per token. For a partial rollout it can be
+  several versions older than pi_old (DESIGN-NOTES, item 3: APRIL's code recomputed it with the current
+  policy and so treated stale tokens as on-policy).
+Truncated importance sampling multiplies each token's loss by min(pi_old / pi_behaviour, tis_cap); tokens
+older than `mask_older_than` versions can be masked out instead. Both act on the per-token versions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    metrics: dict[str, float]
+
+
+def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: each reward minus its group's mean, over the group's std. `rewards` is [groups, n]."""
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if not normalize_std:
+        return centered
+    return centered / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to max_len - cache_len, then linearly down to -1 at max_len."""
+    over = lengths.float() - (max_len - cache_len)
+    return torch.clamp(-over / cache_len, min=-1.0, max=0.0)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def off_policy_weights(old_logp, behaviour_logp, versions, version, mask, tis_cap: float,
+                       mask_older_than: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """(per-token weights, updated mask, metrics) from the engine's behaviour logprobs and versions."""
+    age = (version - versions) * mask
+    keep = mask.clone()
+    if mask_older_than >= 0:
+        keep = keep * (age <= mask_older_than)
+    ratio = torch.exp(old_logp - behaviour_logp)
+    weights = torch.clamp(ratio, max=tis_cap) if tis_cap > 0 else torch.ones_like(ratio)
+    n = mask.sum().clamp(min=1)
+    metrics = {
+        "off_policy/token_ratio": float(((age > 0) * mask).sum() / n),
+        "off_policy/staleness_mean": float(age.sum() / n),
+        "off_policy/staleness_max": float(age.max()) if mask.any() else 0.0,
+        "off_policy/masked_token_ratio": float((mask - keep).sum() / n),
+        "off_policy/is_weight_mean": float(masked_mean(ratio, mask)),
+        "off_policy/is_weight_max": float((ratio * mask).max()) if mask.any() else 0.0,
+        "off_policy/is_truncated_ratio": float(((ratio > tis_cap) * mask).sum() / n) if tis_cap > 0 else 0.0,
+    }
+    return weights.detach(), keep, metrics
+
+
+def _clip_metrics(ratio, adv, mask, low, high) -> dict[str, float]:
+    clipped = ((ratio < 1 - low) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
+    return {"loss/clip_fraction": float(masked_mean(clipped.float(), mask)),
+            "loss/ratio_mean": float(masked_mean(ratio.detach(), mask))}
+
+
+def token_policy_loss(logp, old_logp, adv, mask, weights, clip_low: float, clip_high: float,
+                      aggregation: str) -> LossOutput:
+    """PPO-clip per token (GRPO with clip_low == clip_high; DAPO's clip-higher with clip_high > clip_low).
+
+    aggregation: "token_mean" (DAPO: every token of the batch weighs the same) or "seq_mean_token_mean"
+    (GRPO as published: mean over each sequence, then over sequences).
+    """
+    ratio = torch.exp(logp - old_logp)
+    a = adv[:, None]
+    per_token = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * a) * weights
+    if aggregation == "token_mean":
+        loss = masked_mean(per_token, mask)
+    else:
+        loss = masked_mean(per_token, mask, dim=1)[mask.sum(1) > 0].mean()
+    return LossOutput(loss, _clip_metrics(ratio, a.expand_as(ratio), mask, clip_low, clip_high))
+
+
+def sequence_policy_loss(logp, old_logp, adv, mask, weights, clip_low: float, clip_high: float) -> LossOutput:
+    """GSPO: one length-normalised importance ratio per sequence, clipped at the sequence level.
+
+    s_i = exp(mean_t(logp - old_logp)); the per-token form s_i * pi / sg(pi) carries the same value with
+    the gradient spread over the tokens (GSPO-token). Off-policy weights enter through the log-ratio mean.
+    """
+    log_ratio = masked_mean((logp - old_logp) + torch.log(weights.clamp(min=1e-8)), mask, dim=1)
+    s = torch.exp(log_ratio)
+    loss_seq = -torch.minimum(s * adv, torch.clamp(s, 1 - clip_low, 1 + clip_high) * adv)
+    valid = mask.sum(1) > 0
+    metrics = _clip_metrics(s[:, None], adv[:, None], valid[:, None].float(), clip_low, clip_high)
+    return LossOutput(loss_seq[valid].mean(), metrics)
+
+
+def kl_k3(logp, ref_logp, mask) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || ref), per token, averaged over tokens."""
+    d = ref_logp - logp
+    return masked_mean(torch.exp(d) - d - 1, mask)

@@ -1,0 +1,200 @@
+"""Rollout benchmark: the synchronous baseline vs APRIL on the same engines and data, in one run.
+
+    python -m jobs.bench_rollout --json PATH [--sweep] [--steps 10] [key=value ...]
+
+Per mode: fresh prompt source (same seed, so the same prompts), store and monitor on the same engine
+actors; `--warmup-steps` unmeasured steps, then `--steps` measured ones. Between steps a stand-in
+learner publishes the weights again under the next policy version (through the real weight path), so
+versions and staleness are exercised. The ceiling is the engines' saturated throughput measured in the
+same run: every slot of every engine kept busy with this task's prompts (each finished request replaced
+at once), so the ceiling has the task's own length mix but no tail and no interruption.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from jobs.common import init_ray, parse
+from actors.system import Engines, start_engines, start_rollout
+from april_ray.config import Config
+from april_ray.data import dataset_paths, read_examples
+from april_ray.model import ensure_model, load_policy
+
+PROBE_SECONDS = 8.0
+
+
+def saturated_tok_s(engines: Engines, prompts: list[list[int]]) -> float:
+    results = ray.get([e.throughput_probe.remote(prompts, cap, PROBE_SECONDS)
+                       for e, cap in zip(engines.actors, engines.capacities)])
+    return sum(t for t, _ in results) / max(s for _, s in results)
+
+
+def run_mode(cfg: Config, model_path, engines: Engines, weights_ref, steps: int, warmup_steps: int) -> dict:
+    actors = start_rollout(cfg, model_path, engines)
+    version, wall, rows, occupancy, lengths, latencies, seen = 0, 0.0, [], [], [], [], set()
+    duplicated = 0
+    engines.publish(weights_ref, version)
+    for step in range(warmup_steps + steps):
+        engines.stats(drain=True)
+        t0 = time.perf_counter()
+        result = ray.get(actors.monitor.step.remote(step, version))
+        dt = time.perf_counter() - t0
+        stats = engines.stats(drain=True)
+        version += 1
+        engines.publish(weights_ref, version)  # stand-in learner: next policy version
+        if step < warmup_steps:
+            continue
+        wall += dt
+        m = result.metrics
+        rows.append(m | {"staleness": result.staleness, "store_groups": ray.get(actors.store.size.remote())})
+        latencies.append(m["rollout/abort_latency_s"])
+        occupancy.append([s.occupancy for s in stats])
+        for group in result.metas:
+            for meta in group:
+                duplicated += meta.sample_id in seen
+                seen.add(meta.sample_id)
+                lengths.append(meta.response_len)
+    taken = ray.get(actors.source.num_groups_taken.remote())
+    counters = ray.get(actors.monitor.counters.remote())
+    stored = ray.get(actors.store.size.remote())
+    actors.shutdown()
+    trained = sum(r["rollout/trained_tokens"] for r in rows)
+    off = sum(r["rollout/off_policy_token_ratio"] * r["rollout/trained_tokens"] for r in rows)
+    return {
+        "effective_tok_s": trained / wall,
+        "generated_tok_s": sum(r["rollout/generated_tokens"] for r in rows) / wall,
+        "abort_latency_ms_p99": float(np.percentile(latencies, 99) * 1000),
+        "abort_latency_ms_p50": float(np.percentile(latencies, 50) * 1000),
+        "off_policy_token_ratio": off / max(1, trained),
+        "max_staleness": max(r["rollout/staleness_max"] for r in rows),
+        "store_groups_mean": float(np.mean([r["store_groups"] for r in rows])),
+        "wall_s": wall, "steps": steps, "trained_tokens": trained,
+        "lost_samples": (taken - counters["returned_groups"] - counters["dropped_groups"] - stored)
+        * cfg.rollout.n_samples_per_prompt,
+        "duplicated_samples": duplicated,
+        "_occupancy": occupancy, "_lengths": lengths,
+    }
+
+
+def with_rollout(cfg: Config, **changes) -> Config:
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **changes))
+
+
+def plot(out_dir: Path, modes: dict[str, dict], cap: int) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    for name, res in modes.items():
+        steps = res["_occupancy"]
+        num_engines = len(steps[0])
+        fig, axes = plt.subplots(num_engines, 1, figsize=(11, 2.2 * num_engines), sharex=True, squeeze=False)
+        t0 = min(t for step in steps for eng in step for t, _ in eng[:1])
+        for e in range(num_engines):
+            ax = axes[e][0]
+            for step in steps:
+                pts = step[e]
+                if pts:
+                    ax.step([t - t0 for t, _ in pts], [n for _, n in pts], where="post", lw=0.8, color="C0")
+                    ax.axvline(pts[0][0] - t0, color="0.8", lw=0.5)
+            ax.axhline(cap, color="C3", ls="--", lw=0.8)
+            ax.set_ylabel(f"engine {e}\nrunning")
+            ax.set_ylim(0, cap * 1.1)
+        axes[-1][0].set_xlabel("seconds (grey lines: step starts; red: concurrency cap)")
+        fig.suptitle(f"{name}: running-batch occupancy, effective {res['effective_tok_s']:.0f} tok/s, "
+                     f"utilization {res['utilization']:.2f}")
+        path = out_dir / f"occupancy_{name}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(str(path))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    lengths = np.array(modes["sync"]["_lengths"])
+    ax.hist(lengths, bins=60, color="C0")
+    ax.set_yscale("log")
+    ax.set_xlabel("response length (tokens)")
+    ax.set_title(f"response lengths (sync, n={len(lengths)}): median {np.median(lengths):.0f}, "
+                 f"p99 {np.percentile(lengths, 99):.0f}, max {lengths.max()}")
+    path = out_dir / "response_lengths.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return files + [str(path)]
+
+
+def public(res: dict) -> dict:
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items() if not k.startswith("_")}
+
+
+def main() -> None:
+    def extra(p):
+        p.add_argument("--json", required=True)
+        p.add_argument("--sweep", action="store_true", help="also run APRIL at N'/N = 1, 1.5, 2, 3, 4")
+        p.add_argument("--steps", type=int, default=10)
+        p.add_argument("--warmup-steps", type=int, default=2)
+        p.add_argument("--sweep-steps", type=int, default=6)
+        p.add_argument("--out-dir", default="outputs/bench_rollout")
+
+    cfg, args = parse(__doc__, extra)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_path = ensure_model(cfg)
+    init_ray(cfg)
+    engines = start_engines(cfg, model_path)
+    model, tok = load_policy(model_path)
+    weights_ref = ray.put({k: v.clone() for k, v in model.state_dict().items()})
+    _, eval_path = dataset_paths(cfg.task, cfg.model.cache_dir)
+    probe_prompts = [tok.encode(ex.prompt) for ex in read_examples(eval_path)]
+
+    saturated = [saturated_tok_s(engines, probe_prompts)]
+    n = cfg.rollout.rollout_batch_size
+    modes = {
+        "sync": run_mode(with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n), model_path,
+                         engines, weights_ref, args.steps, args.warmup_steps),
+        "april": run_mode(with_rollout(cfg, partial_rollout=True), model_path, engines, weights_ref,
+                          args.steps, args.warmup_steps),
+    }
+    saturated.append(saturated_tok_s(engines, probe_prompts))
+    ceiling = float(np.mean(saturated))
+    for res in modes.values():
+        res["utilization"] = res["effective_tok_s"] / ceiling
+    result = {
+        "saturated_tok_s": ceiling, "saturated_runs": saturated,
+        "sync": public(modes["sync"]), "april": public(modes["april"]),
+        "speedup": modes["april"]["effective_tok_s"] / modes["sync"]["effective_tok_s"],
+        "lost_samples": modes["sync"]["lost_samples"] + modes["april"]["lost_samples"],
+        "duplicated_samples": modes["sync"]["duplicated_samples"] + modes["april"]["duplicated_samples"],
+        "config": {"rollout_batch_size": n, "over_sampling_batch_size": cfg.rollout.over_sampling_batch_size,
+                   "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
+                   "num_engines": cfg.rollout.num_engines, "max_num_seqs": cfg.engine.max_num_seqs,
+                   "max_response_len": cfg.rollout.max_response_len},
+        "plots": plot(out_dir, modes, engines.capacities[0]),
+    }
+    if args.sweep:
+        result["sweep"] = {}
+        for ratio in (1, 1.5, 2, 3, 4):
+            res = run_mode(with_rollout(cfg, partial_rollout=True, over_sampling_batch_size=int(round(ratio * n))),
+                           model_path, engines, weights_ref, args.sweep_steps, 1)
+            result["sweep"][str(ratio)] = {
+                "utilization": res["effective_tok_s"] / ceiling,
+                "speedup": res["effective_tok_s"] / modes["sync"]["effective_tok_s"],
+                "off_policy_token_ratio": res["off_policy_token_ratio"], "max_staleness": res["max_staleness"],
+                "store_groups_mean": res["store_groups_mean"], "effective_tok_s": res["effective_tok_s"],
+                "abort_latency_ms_p99": res["abort_latency_ms_p99"],
+                "lost_samples": res["lost_samples"], "duplicated_samples": res["duplicated_samples"],
+            }
+    print(json.dumps(result, indent=2, default=float))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=2, default=float)
+
+
+if __name__ == "__main__":
+    main()

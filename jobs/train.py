@@ -1,0 +1,81 @@
+"""RL training with APRIL: the main job.
+
+    python -m jobs.train --config configs/tiny_cpu.yaml [key=value ...] [--summary PATH]
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- python -m jobs.train --config ...
+
+Each step: an APRIL rollout (over-provision, interrupt, recycle) returns N complete groups as object
+refs; the learner ranks fetch their shares and take one optimiser step; the new weights are published
+once and every engine adopts them under the next policy version. Held-out accuracy is evaluated before
+training, every `train.eval_every` steps and at the end; checkpoints every `train.save_every` steps.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import ray
+
+from jobs.common import init_ray, parse
+from actors.job import Evaluator, latest_checkpoint, restore_checkpoint, save_checkpoint
+from actors.learner import LearnerGroup
+from actors.system import start_engines, start_rollout
+from april_ray.config import to_yaml
+from april_ray.model import ensure_model
+from april_ray.tracking import Tracker
+
+
+def main() -> None:
+    cfg, args = parse(__doc__, lambda p: p.add_argument("--summary", help="write the summary JSON here"))
+    out = Path(cfg.train.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(to_yaml(cfg))
+    model_path = ensure_model(cfg)
+    init_ray(cfg)
+
+    engines = start_engines(cfg, model_path)
+    rollout = start_rollout(cfg, model_path, engines)
+    learners = LearnerGroup(cfg, model_path, engines)
+    evaluator = Evaluator(cfg, engines, model_path)
+
+    start, version = 0, 0
+    ckpt = latest_checkpoint(out) if cfg.train.resume else None
+    if ckpt is not None:
+        start, version = restore_checkpoint(ckpt, learners, rollout, engines)
+        print(f"resumed from {ckpt}: step {start}, policy version {version}")
+    before = evaluator.run()
+    tracker = Tracker(cfg, out, cfg.train.num_steps, start, resume=ckpt is not None)
+    tracker.bar.write(f"held-out accuracy before: {json.dumps(before)}")
+    t0 = time.perf_counter()
+
+    step = start - 1
+    for step in range(start, cfg.train.num_steps):
+        batch = ray.get(rollout.monitor.step.remote(step, version))      # APRIL rollout, refs only
+        metrics = batch.metrics | learners.train(batch.groups, version)  # ranks fetch their own shares
+        version += 1
+        learners.publish(engines, version)                                # engines adopt the new weights
+        if (step + 1) % cfg.train.eval_every == 0:
+            metrics |= evaluator.run()
+        if (step + 1) % cfg.train.save_every == 0:
+            save_checkpoint(out, step, version, learners, rollout)
+        metrics |= ray.get(rollout.store.stats.remote(version))
+        tracker.log(step, metrics | {"train/version": version, "time/wall_s": time.perf_counter() - t0})
+
+    after = evaluator.run()
+    if step >= start and (step + 1) % cfg.train.save_every:
+        save_checkpoint(out, step, version, learners, rollout)
+    tracker.log(max(step, 0) + 1, after)
+    tracker.close()
+    summary = {"accuracy_before": before["eval/accuracy_t1"], "accuracy_after": after["eval/accuracy_t1"],
+               "accuracy_before_greedy": before.get("eval/accuracy_greedy"),
+               "accuracy_after_greedy": after.get("eval/accuracy_greedy"),
+               "steps": cfg.train.num_steps - start, "wall_s": time.perf_counter() - t0,
+               "final_version": version, "output_dir": str(out)}
+    print(json.dumps(summary, indent=2))
+    if args.summary:
+        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary).write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

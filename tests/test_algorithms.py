@@ -1,0 +1,85 @@
+"""Loss, advantage and off-policy functions against values computed by hand."""
+import math
+
+import pytest
+import torch
+
+from april_ray import algorithms as algo
+
+
+def test_group_advantages_by_hand():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    adv = algo.group_advantages(r)
+    # group 1: mean 0.5, std 0.5 -> +-1; group 2: all equal -> 0 (no signal; the dynamic filter drops it)
+    torch.testing.assert_close(adv, torch.tensor([[1.0, -1.0, -1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(algo.group_advantages(r, normalize_std=False)[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+
+
+def test_overlong_penalty_by_hand():
+    lengths = torch.tensor([100, 384, 448, 512, 600])
+    # max 512, buffer 128: free up to 384, then linear to -1 at 512, clipped at -1 beyond
+    torch.testing.assert_close(algo.overlong_penalty(lengths, 512, 128), torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
+
+
+def test_token_loss_clipping_by_hand():
+    # one sequence, two tokens: ratios e^0.5 (clipped at 1.2 for A>0) and e^-0.5 (A>0: min picks ratio)
+    logp = torch.tensor([[0.5, -0.5]], requires_grad=True)
+    old = torch.zeros(1, 2)
+    mask = torch.ones(1, 2)
+    out = algo.token_policy_loss(logp, old, torch.tensor([1.0]), mask, torch.ones(1, 2), 0.2, 0.2, "token_mean")
+    expected = -(min(math.exp(0.5), 1.2) + min(math.exp(-0.5), 0.8 * 0 + math.exp(-0.5))) / 2
+    assert out.loss.item() == pytest.approx(expected, rel=1e-6)
+    out.loss.backward()
+    # the clipped token carries no gradient; the other one has d/dlogp = -ratio/2
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -math.exp(-0.5) / 2]]))
+    assert out.metrics["loss/clip_fraction"] == pytest.approx(0.5)
+
+
+def test_dapo_clip_higher_and_token_mean_vs_seq_mean():
+    logp = torch.tensor([[0.24, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0])
+    w = torch.ones(2, 3)
+    # ratio e^0.24 = 1.271: clipped at 1.2 with symmetric clip, not with clip_high = 0.28
+    sym = algo.token_policy_loss(logp, torch.zeros(2, 3), adv, mask, w, 0.2, 0.2, "token_mean").loss.item()
+    high = algo.token_policy_loss(logp, torch.zeros(2, 3), adv, mask, w, 0.2, 0.28, "token_mean").loss.item()
+    assert sym == pytest.approx(-(1.2 + 1 + 1 - 1) / 4)
+    assert high == pytest.approx(-(math.exp(0.24) + 1 + 1 - 1) / 4)
+    seq = algo.token_policy_loss(logp, torch.zeros(2, 3), adv, mask, w, 0.2, 0.28, "seq_mean_token_mean").loss.item()
+    assert seq == pytest.approx((-(math.exp(0.24) + 2) / 3 + 1) / 2)
+
+
+def test_gspo_sequence_ratio_is_length_normalised():
+    logp = torch.tensor([[0.1, 0.3, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    out = algo.sequence_policy_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), mask, torch.ones(1, 3), 0.5, 0.5)
+    s = math.exp((0.1 + 0.3) / 2)
+    assert out.loss.item() == pytest.approx(-s)
+    out.loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-s / 2, -s / 2, 0.0]]))
+    clipped = algo.sequence_policy_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), mask, torch.ones(1, 3),
+                                        3e-4, 4e-4)
+    assert clipped.loss.item() == pytest.approx(-(1 + 4e-4)) and clipped.metrics["loss/clip_fraction"] == 1.0
+
+
+def test_truncated_importance_sampling_and_staleness_mask():
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
+    behaviour = torch.log(torch.tensor([[0.5, 0.1, 0.25]]))  # ratios 1, 5, 2
+    versions = torch.tensor([[3, 1, 2]])
+    mask = torch.ones(1, 3)
+    w, keep, m = algo.off_policy_weights(old, behaviour, versions, 3, mask, tis_cap=2.0, mask_older_than=1)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, 2.0]]))
+    torch.testing.assert_close(keep, torch.tensor([[1.0, 0.0, 1.0]]))  # age 2 > 1: masked
+    assert m["off_policy/token_ratio"] == pytest.approx(2 / 3)
+    assert m["off_policy/staleness_max"] == 2 and m["off_policy/staleness_mean"] == pytest.approx(1.0)
+    assert m["off_policy/is_truncated_ratio"] == pytest.approx(1 / 3)
+    w_off, keep_off, _ = algo.off_policy_weights(old, behaviour, versions, 3, mask, tis_cap=0, mask_older_than=-1)
+    assert torch.equal(w_off, torch.ones(1, 3)) and torch.equal(keep_off, mask)
+
+
+def test_kl_k3_is_zero_at_reference_and_positive_elsewhere():
+    mask = torch.ones(1, 2)
+    lp = torch.tensor([[-1.0, -2.0]])
+    assert algo.kl_k3(lp, lp, mask).item() == 0.0
+    d = 0.3
+    assert algo.kl_k3(lp, lp + d, mask).item() == pytest.approx(math.exp(d) - d - 1)
