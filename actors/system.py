@@ -35,6 +35,11 @@ class Engines:
     def stats(self, drain: bool = True):
         return ray.get([e.stats.remote(drain) for e in self.actors])
 
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        ray.util.remove_placement_group(self.placement_group)
+
 
 @dataclass
 class RolloutActors:

@@ -257,7 +257,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("task.length.max_terms: must be >= task.length.min_terms")
     if cfg.task.name == "math" and not cfg.task.train_path:
         raise ConfigError("task.train_path: the math task needs a dataset file")
-    if cfg.engine.max_model_len > cfg.model.max_position_embeddings:
+    if not cfg.model.path and cfg.engine.max_model_len > cfg.model.max_position_embeddings:
         raise ConfigError("engine.max_model_len: exceeds model.max_position_embeddings")
     if cfg.placement.engine_gpus < 0:
         raise ConfigError("placement.engine_gpus: must be >= 0")

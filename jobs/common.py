@@ -9,7 +9,7 @@ for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_EN
                    "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(key, value)
 
-from april_ray.config import Config, add_config_args, config_from_args  # noqa: E402
+from april_ray.config import Config, ConfigError, add_config_args, config_from_args  # noqa: E402
 
 
 def parse(description: str, extra=None) -> tuple[Config, argparse.Namespace]:
@@ -17,8 +17,11 @@ def parse(description: str, extra=None) -> tuple[Config, argparse.Namespace]:
     add_config_args(parser)
     if extra:
         extra(parser)
-    args = parser.parse_args()
-    return config_from_args(args), args
+    args = parser.parse_intermixed_args()  # overrides may come before or after --flags
+    try:
+        return config_from_args(args), args
+    except ConfigError as e:
+        parser.error(str(e))
 
 
 def init_ray(cfg: Config, address: str | None = None) -> None:
