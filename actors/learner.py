@@ -74,3 +74,7 @@ class LearnerGroup:
 
     def load(self, path: str) -> None:
         ray.get([a.load.remote(path) for a in self.actors])
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)

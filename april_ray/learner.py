@@ -17,19 +17,9 @@ from pathlib import Path
 import torch
 
 from april_ray import algorithms as algo
+from april_ray.batching import padded_chunks
 from april_ray.config import AlgorithmConfig, LearnerConfig
 from april_ray.types import Sample
-
-
-def _token_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Index chunks, length-sorted, whose padded size stays under max_tokens (at least one row each)."""
-    chunks: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        if chunks and (len(chunks[-1]) + 1) * lengths[i] <= max_tokens:
-            chunks[-1].append(i)
-        else:
-            chunks.append([i])
-    return chunks
 
 
 def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -113,7 +103,7 @@ class Learner:
     def train_step(self, samples: list[Sample], version: int) -> dict[str, float]:
         adv = advantages_for(samples, self.algo, self.max_response_len)
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        chunks = _token_batches(lengths, self.cfg.micro_batch_tokens)
+        chunks = padded_chunks(lengths, self.cfg.micro_batch_tokens)
         total_tokens = sum(len(s.response_ids) for s in samples)
         sums: dict[str, float] = {}
         for k, idx in enumerate(chunks):

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from april_ray.batching import padded_chunks
 from april_ray.config import Config, ModelConfig
 from april_ray.data import dataset_paths, read_examples
 from april_ray.tokenizer import build_tokenizer
@@ -73,20 +74,6 @@ def load_policy(path: str | Path, dtype=torch.float32):
     return model.eval(), tokenizer
 
 
-def _token_batches(seqs: list[tuple[list[int], int]], max_tokens: int, rng: random.Random):
-    """Length-bucketed batches of at most `max_tokens` padded tokens, in random order (long tails pad badly)."""
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
-    batches, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * len(seqs[i][0]) > max_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    batches.append(cur)
-    rng.shuffle(batches)
-    return batches
-
-
 def _collate(seqs, idx, pad_id):
     width = max(len(seqs[i][0]) for i in idx)
     ids = torch.full((len(idx), width), pad_id)
@@ -108,7 +95,8 @@ def warmup(model, tokenizer, examples, cfg: Config, log=print) -> None:
     for ex in examples:
         p = tokenizer.encode(ex.prompt)
         seqs.append((p + tokenizer.encode(ex.answer) + [tokenizer.eos_token_id], len(p)))
-    batches = _token_batches(seqs, w.batch_size * 64, rng)
+    batches = padded_chunks([len(toks) for toks, _ in seqs], w.batch_size * 64)
+    rng.shuffle(batches)
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=0.0, betas=(0.9, 0.98))
     model.train()
     t0 = time.perf_counter()

@@ -25,13 +25,14 @@ from april_ray.model import ensure_model
 from april_ray.tracking import Tracker
 
 
-def main() -> None:
-    cfg, args = parse(__doc__, lambda p: p.add_argument("--summary", help="write the summary JSON here"))
+def train(cfg) -> dict:
+    """Run the job; returns the summary, with `history`: (training wall seconds, held-out accuracy)."""
     out = Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
     model_path = ensure_model(cfg)
-    init_ray(cfg)
+    if not ray.is_initialized():
+        init_ray(cfg)
 
     engines = start_engines(cfg, model_path)
     rollout = start_rollout(cfg, model_path, engines)
@@ -47,15 +48,19 @@ def main() -> None:
     tracker = Tracker(cfg, out, cfg.train.num_steps, start, resume=ckpt is not None)
     tracker.bar.write(f"held-out accuracy before: {json.dumps(before)}")
     t0 = time.perf_counter()
+    train_s, history = 0.0, [(0.0, before["eval/accuracy_t1"])]  # training time excludes evaluation
 
     step = start - 1
     for step in range(start, cfg.train.num_steps):
+        t_step = time.perf_counter()
         batch = ray.get(rollout.monitor.step.remote(step, version))      # APRIL rollout, refs only
         metrics = batch.metrics | learners.train(batch.groups, version)  # ranks fetch their own shares
         version += 1
         learners.publish(engines, version)                                # engines adopt the new weights
+        train_s += time.perf_counter() - t_step
         if (step + 1) % cfg.train.eval_every == 0:
             metrics |= evaluator.run()
+            history.append((train_s, metrics["eval/accuracy_t1"]))
         if (step + 1) % cfg.train.save_every == 0:
             save_checkpoint(out, step, version, learners, rollout)
         metrics |= ray.get(rollout.store.stats.remote(version))
@@ -66,11 +71,20 @@ def main() -> None:
         save_checkpoint(out, step, version, learners, rollout)
     tracker.log(max(step, 0) + 1, after)
     tracker.close()
+    history.append((train_s, after["eval/accuracy_t1"]))
+    for actors in (rollout, engines, learners):
+        actors.shutdown()
     summary = {"accuracy_before": before["eval/accuracy_t1"], "accuracy_after": after["eval/accuracy_t1"],
                "accuracy_before_greedy": before.get("eval/accuracy_greedy"),
                "accuracy_after_greedy": after.get("eval/accuracy_greedy"),
                "steps": cfg.train.num_steps - start, "wall_s": time.perf_counter() - t0,
-               "final_version": version, "output_dir": str(out)}
+               "final_version": version, "output_dir": str(out), "train_s": train_s, "history": history}
+    return summary
+
+
+def main() -> None:
+    cfg, args = parse(__doc__, lambda p: p.add_argument("--summary", help="write the summary JSON here"))
+    summary = train(cfg)
     print(json.dumps(summary, indent=2))
     if args.summary:
         Path(args.summary).parent.mkdir(parents=True, exist_ok=True)

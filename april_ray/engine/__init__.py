@@ -16,4 +16,5 @@ def build_engine(cfg: EngineConfig, model_path: str, version: int = 0):
         model, _ = load_policy(model_path)
         return AsyncEngine(LLMEngine(model, cfg.max_num_seqs, cfg.max_model_len, cfg.max_prefill_tokens,
                                      cfg.seed, version))
-    raise NotImplementedError(f"engine.backend={cfg.backend!r} is not available in this build")
+    raise NotImplementedError(f"engine.backend={cfg.backend}: this engine is not implemented in this build yet "
+                              "(the SGLang backend is planned; use engine.backend=cpu)")

@@ -15,21 +15,15 @@ import time
 
 import torch
 
+from april_ray.batching import padded_chunks
 from april_ray.engine.model_runner import ModelRunner, sample
 from april_ray.engine.scheduler import Scheduler, Sequence
 from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
 
 
 def prefill_chunks(seqs: list[Sequence], max_padded_tokens: int) -> list[list[Sequence]]:
-    """Length-sorted chunks whose padded size (rows x longest row) stays under the budget: resumed
-    samples run from 10 to 500 tokens, and one padded batch of them costs many times their real size."""
-    chunks: list[list[Sequence]] = []
-    for seq in sorted(seqs, key=lambda s: s.num_tokens):
-        if chunks and (len(chunks[-1]) + 1) * seq.num_tokens <= max_padded_tokens:
-            chunks[-1].append(seq)
-        else:
-            chunks.append([seq])
-    return chunks
+    """Resumed samples run from 10 to 500 tokens: prefill them in length-sorted, budgeted chunks."""
+    return [[seqs[i] for i in idx] for idx in padded_chunks([s.num_tokens for s in seqs], max_padded_tokens)]
 
 
 class LLMEngine:

@@ -1,0 +1,16 @@
+"""Length-sorted chunking under a padded-token budget, shared by warm-up, engine prefill and the learner.
+
+Long-tailed lengths pad badly: one batch of rows from 10 to 500 tokens costs many times its real size.
+"""
+from __future__ import annotations
+
+
+def padded_chunks(lengths: list[int], max_padded_tokens: int) -> list[list[int]]:
+    """Indices grouped in length order so that rows x longest row stays under the budget (>= 1 row)."""
+    chunks: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if chunks and (len(chunks[-1]) + 1) * lengths[i] <= max_padded_tokens:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks

@@ -1,0 +1,44 @@
+"""The embedded tiny model: built locally, deterministic, cached, loaded like any HF checkpoint."""
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from april_ray.config import load_config
+from april_ray.model import embedded_model_dir, ensure_model
+
+
+def quick_cfg(cache, *extra):
+    return load_config(None, [f"model.cache_dir={cache}", "warmup.steps=3", "task.num_train=200",
+                              "task.num_eval=16", *extra])
+
+
+def test_build_is_deterministic_cached_and_loads_with_from_pretrained(tmp_path):
+    a = ensure_model(quick_cfg(tmp_path / "a"))
+    b = ensure_model(quick_cfg(tmp_path / "b"))
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    stamp = (a / "model.safetensors").stat().st_mtime_ns
+    assert ensure_model(quick_cfg(tmp_path / "a")) == a  # reused, not rebuilt
+    assert (a / "model.safetensors").stat().st_mtime_ns == stamp
+    assert embedded_model_dir(quick_cfg(tmp_path / "a", "warmup.seed=1")) != a  # other settings, other model
+    model = AutoModelForCausalLM.from_pretrained(a)
+    tok = AutoTokenizer.from_pretrained(a)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and sum(p.numel() for p in model.parameters()) <= 10_000_000
+    assert tok.decode(tok.encode("0153-3:")) == "0153-3:"
+
+
+@pytest.mark.slow
+def test_default_warmup_accuracy_leaves_room_for_rl():
+    """The default model (built once into the cache): clearly above 0, clearly below 100% at T=1."""
+    from april_ray.data import dataset_paths, read_examples
+    from april_ray.engine.cpu_engine import LLMEngine
+    from april_ray.evaluate import accuracy
+    from april_ray.model import load_policy
+    from april_ray.rewards import get_reward_fn
+
+    cfg = load_config("configs/tiny_cpu.yaml")
+    model, tok = load_policy(ensure_model(cfg))
+    examples = read_examples(dataset_paths(cfg.task, cfg.model.cache_dir)[1])
+    acc = accuracy(LLMEngine(model, 256, 640), tok, examples, get_reward_fn("countdown"), 1.0, 512)
+    assert 0.15 <= acc <= 0.65, acc
