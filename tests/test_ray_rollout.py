@@ -73,12 +73,12 @@ def engines_of():
 def test_april_steps_on_two_engine_workers(local_ray, tmp_path, model_dir, engines_of):
     cfg = small_cfg(tmp_path)
     engines = engines_of(cfg, model_dir)
-    actors, results = run_steps(cfg, model_dir, engines, 4)
+    actors, results = run_steps(cfg, model_dir, engines, 8)
     resumed = [s for _, samples in results for s in samples if s.num_resumes]
     assert resumed, "some samples should have been interrupted and resumed"
     assert any(len(set(s.versions)) > 1 for s in resumed)
     assert any(r.metrics["rollout/abort_latency_s"] > 0 for r, _ in results)
-    assert [st.version for st in engines.stats()] == [4, 4]
+    assert [st.version for st in engines.stats()] == [8, 8]
     stats = engines.stats()
     assert all(st.num_generated_tokens > 0 for st in stats)  # both engines served
 
@@ -108,25 +108,3 @@ def test_checkpoint_store_and_cursor_mid_run_restores_without_loss(local_ray, tm
     assert not before & set(after)
     still = {g.group_id for g in ray.get(fresh.store.state_dict.remote())["partial"]}
     assert waiting <= set(after) | still  # every stored prompt came back or still waits; none skipped
-
-
-def test_multi_node_cluster_spreads_engines_over_raylets(tmp_path, random_model_dir):
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    nodes = [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        cfg = small_cfg(tmp_path, "placement.strategy=STRICT_SPREAD", "placement.engine_gpus=1",
-                        "placement.engine_cpus=1")
-        # two engine bundles with a logical GPU each, one learner bundle: three raylets, one bundle each
-        assert plan(cfg).bundles == [{"CPU": 1.0, "GPU": 1.0}] * 2 + [{"CPU": 1.0}]
-        engines = start_engines(cfg, str(random_model_dir), timeout_s=60)
-        where = ray.get([e.where.remote() for e in engines.actors])
-        assert len({node for node, _ in where}) == 2  # one engine per raylet
-        assert {node for node, _ in where} <= {n.node_id for n in nodes}
-        assert all(len(gpus) == 1 for _, gpus in where)  # each sees its own logical GPU
-        run_steps(cfg, str(random_model_dir), engines, 2)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()

@@ -52,3 +52,12 @@ def test_bad_config_fails_at_start_naming_the_key(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu.yaml",
                            "rollout.over_sampling_batch_size=1"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode != 0 and "rollout.over_sampling_batch_size" in proc.stderr
+
+
+def test_two_data_parallel_learner_ranks_with_deepspeed_gloo(tmp_path, random_model_dir):
+    summary, proc = run_train(tmp_path, random_model_dir, "train.num_steps=2", "learner.num_ranks=2",
+                              "learner.zero_stage=2")
+    assert summary["final_version"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    # metrics are averaged over the ranks; each rank trained on its own share of the groups
+    assert all(r["train/num_samples"] == 8 for r in rows if "train/num_samples" in r)
