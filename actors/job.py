@@ -40,6 +40,7 @@ class Evaluator:
         out = {"eval/accuracy_t1": self.accuracy(1.0)}
         if self.greedy:
             out["eval/accuracy_greedy"] = self.accuracy(0.0)
+        ray.get([e.stats.remote(True) for e in self.engines])  # keep evaluation out of rollout occupancy
         return out
 
 

@@ -35,6 +35,15 @@ class Engines:
     def stats(self, drain: bool = True):
         return ray.get([e.stats.remote(drain) for e in self.actors])
 
+    def occupancy_metrics(self) -> dict[str, float]:
+        """Running-batch occupancy since the last call (mean over decode steps, as a fraction of the cap)."""
+        stats = self.stats(drain=True)
+        points = [n / cap for st, cap in zip(stats, self.capacities) for _, n in st.occupancy]
+        return {"engine/occupancy_mean": sum(points) / max(1, len(points)),
+                "engine/busy_s": sum(st.busy_s for st in stats),
+                "engine/generated_tokens_total": sum(st.num_generated_tokens for st in stats),
+                "engine/prefill_tokens_total": sum(st.num_prefill_tokens for st in stats)}
+
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor)

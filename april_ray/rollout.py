@@ -144,8 +144,7 @@ class Rollout:
         return n - len(self.completed) - incomplete  # sync: only refill what the filter dropped
 
     def _num_incomplete(self) -> int:
-        return sum(1 for gid, f in self.flights.items()
-                   if gid not in self.dropped and gid not in self.completed and not f.complete)
+        return len(self.flights) - len(self.completed) - len(self.dropped)  # complete groups pass _group_done
 
     async def _top_up(self) -> None:
         need = self._in_flight_target()

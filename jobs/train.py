@@ -25,6 +25,12 @@ from april_ray.model import ensure_model
 from april_ray.tracking import Tracker
 
 
+def staleness_metrics(hist: dict[int, int]) -> dict[str, float]:
+    """Batch tokens by age in policy versions, as fractions: rollout/staleness_hist/<age>."""
+    total = max(1, sum(hist.values()))
+    return {f"rollout/staleness_hist/{age}": n / total for age, n in hist.items()}
+
+
 def train(cfg) -> dict:
     """Run the job; returns the summary, with `history`: (training wall seconds, held-out accuracy)."""
     out = Path(cfg.train.output_dir)
@@ -54,7 +60,8 @@ def train(cfg) -> dict:
     for step in range(start, cfg.train.num_steps):
         t_step = time.perf_counter()
         batch = ray.get(rollout.monitor.step.remote(step, version))      # APRIL rollout, refs only
-        metrics = batch.metrics | learners.train(batch.groups, version)  # ranks fetch their own shares
+        metrics = batch.metrics | staleness_metrics(batch.staleness) | engines.occupancy_metrics()
+        metrics |= learners.train(batch.groups, version)                 # ranks fetch their own shares
         version += 1
         learners.publish(engines, version)                                # engines adopt the new weights
         train_s += time.perf_counter() - t_step

@@ -39,6 +39,11 @@ def test_train_steps_change_weights_advance_versions_and_resume(tmp_path, random
     assert any(not (trained[k] == initial[k]).all() for k in initial if k in trained)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/version"] for r in rows if "train/version" in r] == [1, 2, 3]
+    step_rows = [r for r in rows if "train/version" in r]
+    for key in ("rollout/abort_latency_s", "rollout/off_policy_token_ratio", "engine/occupancy_mean",
+                "store/groups", "train/grad_norm", "loss/policy", "off_policy/is_weight_mean"):
+        assert all(key in r for r in step_rows), key
+    assert all(any(k.startswith("rollout/staleness_hist/") for k in r) for r in step_rows)
     assert any(Path(out).glob("wandb/offline-run-*"))
 
     summary2, proc = run_train(tmp_path, random_model_dir, "train.num_steps=5", "train.resume=true")
