@@ -42,7 +42,8 @@ class Engines:
         return {"engine/occupancy_mean": sum(points) / max(1, len(points)),
                 "engine/busy_s": sum(st.busy_s for st in stats),
                 "engine/generated_tokens_total": sum(st.num_generated_tokens for st in stats),
-                "engine/prefill_tokens_total": sum(st.num_prefill_tokens for st in stats)}
+                "engine/prefill_tokens_total": sum(st.num_prefill_tokens for st in stats),
+                "engine/version_min": min(st.version for st in stats)}
 
     def shutdown(self) -> None:
         for actor in self.actors:

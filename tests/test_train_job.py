@@ -44,6 +44,8 @@ def test_train_steps_change_weights_advance_versions_and_resume(tmp_path, random
                 "store/groups", "train/grad_norm", "loss/policy", "off_policy/is_weight_mean"):
         assert all(key in r for r in step_rows), key
     assert all(any(k.startswith("rollout/staleness_hist/") for k in r) for r in step_rows)
+    # the engines sampled step k's rollout with the weights of version k (published after step k-1)
+    assert [r["engine/version_min"] for r in step_rows] == [0, 1, 2]
     assert any(Path(out).glob("wandb/offline-run-*"))
 
     summary2, proc = run_train(tmp_path, random_model_dir, "train.num_steps=5", "train.resume=true")
@@ -51,6 +53,8 @@ def test_train_steps_change_weights_advance_versions_and_resume(tmp_path, random
     assert summary2["steps"] == 2 and summary2["final_version"] == 5
     state_rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/version"] for r in state_rows if "train/version" in r] == [1, 2, 3, 4, 5]
+    # after the resume the engines started from the checkpoint's weights and version, not from 0
+    assert [r["engine/version_min"] for r in state_rows if "train/version" in r][3:] == [3, 4]
 
 
 def test_bad_config_fails_at_start_naming_the_key(tmp_path):
