@@ -171,7 +171,6 @@ class TrainConfig:
     """Continue from the latest checkpoint in output_dir (policy, optimizer, cursor, store, version)."""
     output_dir: str = "outputs/train"
     eval_greedy: bool = True
-    seed: int = 0
 
 
 @dataclass
@@ -193,7 +192,6 @@ class LoggingConfig:
     wandb_mode: str = "offline"
     """offline, online or disabled."""
     project: str = "april-ray"
-    output_dir: str = "outputs"
 
 
 @dataclass

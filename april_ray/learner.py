@@ -185,7 +185,11 @@ class Learner:
         else:
             from safetensors.torch import load_file
 
-            self.module.load_state_dict(load_file(path / "policy" / "model.safetensors"), strict=False)
+            # With tied embeddings save_pretrained stores embed_tokens and not lm_head: allow only that gap.
+            missing, unexpected = self.module.load_state_dict(load_file(path / "policy" / "model.safetensors"),
+                                                              strict=False)
+            if unexpected or set(missing) - {"lm_head.weight"}:
+                raise ValueError(f"{path}/policy does not match the policy (missing {missing}, unexpected {unexpected})")
             state = torch.load(path / "optimizer.pt")
             self.optimizer.load_state_dict(state["optimizer"])
             self.steps = state["steps"]

@@ -91,3 +91,15 @@ def test_deepspeed_learner_single_rank_on_cpu(random_model_dir, tmp_path):
     for k, v in reloaded.state_dict().items():
         torch.testing.assert_close(v, after[k])
     assert (tmp_path / "optimizer" / "state").is_dir()
+
+
+def test_torch_learner_checkpoint_round_trip(random_model_dir, tmp_path):
+    cfg = LearnerConfig(backend="torch", lr=1e-3)
+    learner = Learner(str(random_model_dir), cfg, AlgorithmConfig(), temperature=1.0, max_response_len=32)
+    learner.train_step(batch_from_policy(random_model_dir), version=0)
+    learner.save(tmp_path, str(random_model_dir))
+    again = Learner(str(random_model_dir), cfg, AlgorithmConfig(), temperature=1.0, max_response_len=32)
+    again.load(tmp_path)
+    for k, v in learner.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[k], v)
+    assert again.steps == 1 and again.optimizer.state_dict()["state"]
