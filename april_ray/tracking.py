@@ -29,7 +29,7 @@ class Tracker:
         self.bar = tqdm(total=total_steps, initial=initial_step, desc="april-ray", dynamic_ncols=True)
         self.shown: dict[str, float] = {}
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         if self.run is not None:
             self.run.log(metrics, step=step)
@@ -39,8 +39,9 @@ class Tracker:
                            ("rollout/effective_tok_s", "tok/s"), ("off_policy/token_ratio", "offpol")):
             if key in metrics:
                 self.shown[short] = metrics[key]
-        self.bar.set_postfix({k: f"{v:.3g}" for k, v in self.shown.items()}, refresh=False)
-        self.bar.update(1)
+        self.bar.set_postfix({k: f"{v:.3g}" for k, v in self.shown.items()}, refresh=not advance)
+        if advance:
+            self.bar.update(1)
 
     def close(self) -> None:
         self.bar.close()

@@ -76,7 +76,7 @@ def train(cfg) -> dict:
     after = evaluator.run()
     if step >= start and (step + 1) % cfg.train.save_every:
         save_checkpoint(out, step, version, learners, rollout)
-    tracker.log(max(step, 0) + 1, after)
+    tracker.log(max(step, 0) + 1, after, advance=False)
     tracker.close()
     history.append((train_s, after["eval/accuracy_t1"]))
     for actors in (rollout, engines, learners):
