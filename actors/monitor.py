@@ -45,6 +45,10 @@ class RayEnginePool:
                 raise r
 
 
+def _as_refs(groups: list[list]) -> list[list]:
+    return [[s if isinstance(s, ray.ObjectRef) else ray.put(s) for s in g] for g in groups]
+
+
 @ray.remote(num_cpus=0)
 class CompletionMonitorActor:
     def __init__(self, cfg: RolloutConfig, engines, capacities: list[int], source, store):
@@ -53,7 +57,8 @@ class CompletionMonitorActor:
     async def step(self, step: int, version: int):
         result = await self.rollout.step(step, version)
         # Carried-over groups came back from the store as values: give them refs like the rest.
-        result.groups = [[s if isinstance(s, ray.ObjectRef) else ray.put(s) for s in g] for g in result.groups]
+        result.groups = _as_refs(result.groups)
+        result.dropped_groups = _as_refs(result.dropped_groups)
         return result
 
     async def counters(self) -> dict:

@@ -75,6 +75,8 @@ class StepResult:
     returned_group_ids: list[str] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
     """Group id -> reason, for complete groups the dynamic filter dropped this step."""
+    dropped_groups: list[list[Any]] = field(default_factory=list)
+    """Their sample handles, in `dropped` order: filtered groups are kept for the consumer, not discarded."""
 
 
 def filter_reason(metas: list[SampleMeta]) -> str | None:
@@ -273,7 +275,8 @@ class Rollout:
             "rollout/response_len_mean": trained / max(1, sum(map(len, metas))),
         }
         return StepResult(self.step_id, [list(self.flights[g].handles) for g in batch], metas, metrics,
-                          staleness, batch, dict(self.dropped))
+                          staleness, batch, dict(self.dropped),
+                          [list(self.flights[g].handles) for g in self.dropped])
 
     async def _fail(self, message: str) -> None:
         """Stop the step without losing a sample: abort and drain, store everything, then raise."""

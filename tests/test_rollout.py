@@ -115,9 +115,13 @@ def test_dynamic_filter_drops_uniform_groups_with_reason_and_refills():
     results = asyncio.run(run_steps(rollout, source, store, engines, c, 4))
     assert all(set(r.dropped.values()) <= {"zero_reward_variance"} for r in results)
     assert sum(len(r.dropped) for r in results) > 0 and rollout.num_dropped_groups > 0
-    for r in results:  # what was kept has signal
+    for r in results:  # what was kept has signal; what was dropped is handed over too, with its samples
         for group in r.groups:
             assert len({resolve(h).reward for h in group}) > 1
+        assert len(r.dropped_groups) == len(r.dropped)
+        for gid, group in zip(r.dropped, r.dropped_groups):
+            samples = [resolve(h) for h in group]
+            assert {s.group_id for s in samples} == {gid} and len({s.reward for s in samples}) == 1
 
 
 def test_dynamic_filter_that_drops_everything_fails_clearly_and_keeps_samples():
