@@ -25,7 +25,7 @@ from typing import Any, Awaitable, Protocol
 
 from april_ray.config import RolloutConfig
 from april_ray.engine_worker import sample_meta
-from april_ray.types import Group, Sample, SampleMeta, SampleState
+from april_ray.types import Group, SampleMeta, SampleState
 
 
 class EngineFailure(RuntimeError):

@@ -3,14 +3,12 @@
 Several raylets on one machine (`ray.cluster_utils.Cluster`) stand in for a multi-node cluster; logical
 GPUs stand in for real ones in the placement math.
 """
-import os
 
 import pytest
 import ray
 
 from actors.system import start_engines, start_rollout
 from april_ray.config import load_config
-from april_ray.placement import plan
 from april_ray.types import SampleState
 
 pytestmark = pytest.mark.slow
