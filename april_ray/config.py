@@ -93,6 +93,14 @@ class EngineConfig:
     num_threads: int = 1
     """torch intra-op threads per engine."""
     seed: int = 0
+    park_slots: int = 0
+    """cpu: spare KV-cache slots that keep aborted sequences' caches, so a resumed sample skips its
+    re-prefill (oldest evicted first). 0: every resume re-runs its prefix."""
+    kv_reuse_max_staleness: int = 0
+    """cpu: how many policy versions older than the current weights a parked cache may be and still be
+    reused. 0: only caches the current weights computed (exact). k > 0: a resumed sample keeps the keys
+    and values older weights computed for its prefix (PipelineRL-style); its new tokens' behaviour
+    logprobs are still exactly what sampled them, so truncated IS corrects for it."""
 
 
 @dataclass
@@ -259,6 +267,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("engine.max_model_len: exceeds model.max_position_embeddings")
     if cfg.placement.engine_gpus < 0:
         raise ConfigError("placement.engine_gpus: must be >= 0")
+    for key in ("engine.park_slots", "engine.kv_reuse_max_staleness"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {_get(cfg, key)}")
     if cfg.learner.backend == "torch" and cfg.learner.num_ranks != 1:
         raise ConfigError("learner.num_ranks: the torch backend trains on one rank; use learner.backend=deepspeed")
     if cfg.placement.colocate and cfg.learner.num_ranks > cfg.rollout.num_engines:

@@ -49,10 +49,13 @@ class _Flight:
     """Per sample: the handle of its latest result, or the value it entered the step with."""
     states: list[SampleState]
     metas: list[SampleMeta | None]
+    engine: int = -1
+    """Engine of its latest call (where its samples' KV caches are parked after an abort)."""
 
     @classmethod
     def of(cls, group: Group) -> "_Flight":
-        return cls(group, list(group.samples), [s.state for s in group.samples], [None] * len(group.samples))
+        return cls(group, list(group.samples), [s.state for s in group.samples], [None] * len(group.samples),
+                   group.engine)
 
     @property
     def complete(self) -> bool:
@@ -60,7 +63,7 @@ class _Flight:
 
     def as_group(self) -> Group:
         """The group with handles in place of samples (the store or the learner resolves them)."""
-        return Group(self.group.group_id, self.group.prompt_index, self.handles, self.group.created_step)
+        return Group(self.group.group_id, self.group.prompt_index, self.handles, self.group.created_step, self.engine)
 
 
 @dataclass
@@ -174,7 +177,8 @@ class Rollout:
             self.queue.append(group.group_id)
 
     def _dispatch(self) -> None:
-        """Send each queued group's unfinished samples, in one call, to the least-loaded live engine.
+        """Send each queued group's unfinished samples, in one call, to the least-loaded live engine, or
+        back to the engine it last ran on while that one has room (its KV caches may be parked there).
 
         One call per group, not per sample: a group is the unit of completion, and Ray's per-call cost
         would otherwise rival a tiny model's decode step. The engine's own scheduler enforces its
@@ -182,10 +186,13 @@ class Rollout:
         """
         live = [e for e, ok in enumerate(self.alive) if ok]
         while self.queue and live:
-            engine = min(live, key=lambda e: self.load[e] / self.pool.capacities[e])
             gid = self.queue.popleft()
             flight = self.flights[gid]
             idx = [i for i, st in enumerate(flight.states) if st != SampleState.FINISHED]
+            engine = flight.engine
+            if engine < 0 or not self.alive[engine] or self.load[engine] + len(idx) > self.pool.capacities[engine]:
+                engine = min(live, key=lambda e: self.load[e] / self.pool.capacities[e])
+            flight.engine = engine
             fut, handles = self.pool.generate(engine, [flight.handles[i] for i in idx], self.token)
             self.pending[asyncio.ensure_future(fut)] = (gid, idx, engine, handles)
             for i in idx:

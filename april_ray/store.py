@@ -8,6 +8,7 @@ for the learner to mask (`stale_policy`).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 from april_ray.types import Group, SampleState
@@ -75,4 +76,4 @@ class PartialRolloutStore:
 
 def resolve_groups(groups: list[Group], resolve) -> list[Group]:
     """Groups arrive with sample handles (object refs on Ray); the store keeps values."""
-    return [Group(g.group_id, g.prompt_index, [resolve(s) for s in g.samples], g.created_step) for g in groups]
+    return [dataclasses.replace(g, samples=[resolve(s) for s in g.samples]) for g in groups]

@@ -68,6 +68,10 @@ class EngineStats:
     version: int
     occupancy: list[tuple[float, int]]
     """(wall-clock time at the end of a step, running-batch size) per step since the last drain."""
+    num_reused_tokens: int = 0
+    """Prefill tokens skipped because a resumed request found its parked KV cache."""
+    num_parked: int = 0
+    """Aborted sequences whose KV cache is parked now."""
 
 
 class SampleState(str, enum.Enum):
@@ -142,6 +146,9 @@ class Group:
     """Row of the prompt in the dataset (the source's cursor counts these)."""
     samples: list[Sample]
     created_step: int = 0
+    engine: int = -1
+    """Engine its samples last ran on: a resume goes back there first, where their KV caches may still
+    be parked (-1: none yet)."""
 
     @property
     def is_complete(self) -> bool:

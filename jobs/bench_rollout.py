@@ -34,12 +34,22 @@ def saturated_tok_s(engines: Engines, prompts: list[list[int]]) -> float:
     return sum(t for t, _ in results) / max(s for _, s in results)
 
 
+def engine_counters(engines: Engines) -> dict[str, int]:
+    stats = engines.stats(drain=False)
+    return {"engine_decoded_tokens": sum(s.num_generated_tokens for s in stats),
+            "engine_prefill_tokens": sum(s.num_prefill_tokens for s in stats),
+            "engine_reused_kv_tokens": sum(s.num_reused_tokens for s in stats)}
+
+
 def run_mode(cfg: Config, model_path, engines: Engines, weights_ref, steps: int, warmup_steps: int) -> dict:
     actors = start_rollout(cfg, model_path, engines)
     version, wall, rows, occupancy, lengths, latencies, seen = 0, 0.0, [], [], [], [], set()
     duplicated = 0
     engines.publish(weights_ref, version)
+    counters0 = None
     for step in range(warmup_steps + steps):
+        if step == warmup_steps:
+            counters0 = engine_counters(engines)
         engines.stats(drain=True)
         t0 = time.perf_counter()
         result = ray.get(actors.monitor.step.remote(step, version))
@@ -59,6 +69,7 @@ def run_mode(cfg: Config, model_path, engines: Engines, weights_ref, steps: int,
                 duplicated += meta.sample_id in seen
                 seen.add(meta.sample_id)
                 lengths.append(meta.response_len)
+    counters1 = engine_counters(engines)
     taken = ray.get(actors.source.num_groups_taken.remote())
     counters = ray.get(actors.monitor.counters.remote())
     stored = ray.get(actors.store.size.remote())
@@ -74,6 +85,7 @@ def run_mode(cfg: Config, model_path, engines: Engines, weights_ref, steps: int,
         "max_staleness": max(r["rollout/staleness_max"] for r in rows),
         "store_groups_mean": float(np.mean([r["store_groups"] for r in rows])),
         "wall_s": wall, "steps": steps, "trained_tokens": trained,
+        **{k: counters1[k] - counters0[k] for k in counters1},
         "lost_samples": (taken - counters["returned_groups"] - counters["dropped_groups"] - stored)
         * cfg.rollout.n_samples_per_prompt,
         "duplicated_samples": duplicated,

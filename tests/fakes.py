@@ -26,12 +26,14 @@ class FakeEngine:
         self.running: dict[str, list] = {}
         self.max_running = 0
         self.num_calls = 0
+        self.request_ids: list[str] = []
         self._task = None
 
     async def generate(self, req):
         fut = asyncio.get_running_loop().create_future()
         self.running[req.request_id] = [req, [], fut]
         self.num_calls += 1
+        self.request_ids.append(req.request_id)
         self.max_running = max(self.max_running, min(self.cap, len(self.running)))
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._loop())

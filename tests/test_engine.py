@@ -182,3 +182,71 @@ def test_async_engine_serves_concurrent_calls_and_abort_all(policy):
     assert n == len(PROMPTS)
     assert all(o.finish_reason == FinishReason.ABORT for o in outs)
     assert any(o.num_tokens > 0 for o in outs)
+
+
+def _abort_after(engine, reqs, steps):
+    for r in reqs:
+        engine.add_request(r)
+    for _ in range(steps):
+        engine.step()
+    return [engine.abort(r.request_id) for r in reqs]
+
+
+@pytest.mark.parametrize("park_slots", [8, 3])
+def test_resume_restores_parked_kv_and_matches_uninterrupted_greedy(policy, park_slots):
+    """With spare slots, an aborted sequence's cache is parked and a resume skips its prefill; with fewer
+    spare slots than aborted sequences the oldest are evicted and re-prefilled. Either way the continuation
+    is token for token the uninterrupted one."""
+    model, tok = policy
+    engine = LLMEngine(model, max_num_seqs=8, max_model_len=160, num_park_slots=park_slots)
+    reqs = requests(tok, greedy(40))
+    parts = _abort_after(engine, reqs, 7)
+    assert engine.stats().num_parked == min(park_slots, len(reqs))
+    prefill_before = engine.stats().num_prefill_tokens
+    resumed = [GenerateRequest(f"{r.request_id}+", r.input_ids + p.token_ids, greedy(40 - len(p.token_ids)))
+               for r, p in zip(reqs, parts)]
+    rests = engine.generate(resumed)
+    for p, r, part, rest in zip(PROMPTS, resumed, parts, rests):
+        assert part.token_ids + rest.token_ids == hf_greedy(model, tok.encode(p), 40), p
+    stats = engine.stats()
+    hits = min(park_slots, len(reqs))  # the newest aborts stay parked
+    assert stats.num_reused_tokens == sum(len(r.input_ids) - 1 for r in resumed[-hits:])
+    assert stats.num_prefill_tokens - prefill_before == sum(len(r.input_ids) for r in resumed[:-hits])
+    assert stats.num_parked == 0
+
+
+def test_restored_kv_gives_the_logprobs_of_a_fresh_forward(policy):
+    model, tok = policy
+    engine = LLMEngine(model, max_num_seqs=8, max_model_len=128, seed=3, num_park_slots=8)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=30)
+    reqs = requests(tok, sp)
+    parts = _abort_after(engine, reqs, 5)
+    resumed = [GenerateRequest(f"{r.request_id}+", r.input_ids + p.token_ids, SamplingParams(1.0, max_new_tokens=10))
+               for r, p in zip(reqs, parts)]
+    rests = engine.generate(resumed)
+    assert engine.stats().num_reused_tokens > 0
+    for r, out in zip(resumed, rests):
+        full = torch.tensor([r.input_ids + out.token_ids])
+        with torch.no_grad():
+            logits = model(full).logits[0, len(r.input_ids) - 1: -1]
+        ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("max_staleness,bumps,reused", [(0, 0, True), (0, 1, False), (1, 1, True), (1, 2, False)])
+def test_parked_kv_is_reused_only_within_the_staleness_bound(policy, max_staleness, bumps, reused):
+    model, tok = policy
+    engine = LLMEngine(model, max_num_seqs=4, max_model_len=128, num_park_slots=4,
+                       kv_reuse_max_staleness=max_staleness)
+    [req] = requests(tok, greedy(30), PROMPTS[:1])
+    [part] = _abort_after(engine, [req], 4)
+    for v in range(1, bumps + 1):
+        engine.update_weights(None, version=v)
+    [rest] = engine.generate([GenerateRequest("again", req.input_ids + part.token_ids, greedy(5))])
+    assert (engine.stats().num_reused_tokens > 0) == reused
+    assert rest.versions == [bumps] * 5
+    # a different input never hits: the key is the exact token sequence
+    [part2] = _abort_after(engine, [GenerateRequest("y", req.input_ids, greedy(30))], 4)
+    before = engine.stats().num_reused_tokens
+    engine.generate([GenerateRequest("other", req.input_ids + part2.token_ids[:-1], greedy(3))])
+    assert engine.stats().num_reused_tokens == before

@@ -220,3 +220,25 @@ def test_save_restore_mid_run_loses_and_repeats_nothing():
     assert resumed == partial_before  # every stored prompt came back or is still waiting
     # the restored cursor continues exactly where it stopped
     assert source2.num_groups_taken == rollout2.num_returned_groups + len(store2)
+
+
+def test_resumed_groups_go_back_to_the_engine_that_ran_them():
+    """Their KV caches may be parked there; with room on that engine, the dispatcher sends them back."""
+    c = cfg(max_staleness=100)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=3, cap=64)
+
+    async def main():
+        checked = 0
+        for step in range(8):
+            where = {s.sample_id: g.engine for g in store.partial.values() for s in g.samples
+                     if s.state == SampleState.PARTIAL}
+            assert all(e in (0, 1) for e in where.values())
+            for e in engines:
+                e.request_ids.clear()
+            await rollout.step(step, step)
+            for sid, e in where.items():
+                assert f"{sid}@{(rollout.run_id, step)}" in engines[e].request_ids
+                checked += 1
+        return checked
+
+    assert asyncio.run(main()) > 0

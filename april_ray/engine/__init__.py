@@ -15,6 +15,6 @@ def build_engine(cfg: EngineConfig, model_path: str, version: int = 0):
         torch.set_num_threads(cfg.num_threads)
         model, _ = load_policy(model_path)
         return AsyncEngine(LLMEngine(model, cfg.max_num_seqs, cfg.max_model_len, cfg.max_prefill_tokens,
-                                     cfg.seed, version))
+                                     cfg.seed, version, cfg.park_slots, cfg.kv_reuse_max_staleness))
     raise NotImplementedError(f"engine.backend={cfg.backend}: this engine is not implemented in this build yet "
                               "(the SGLang backend is planned; use engine.backend=cpu)")

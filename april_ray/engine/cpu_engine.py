@@ -6,6 +6,11 @@ batch at token granularity. An aborted request returns the ids, logprobs and ver
 prompt + generated ids with the remaining budget. Every token is stamped with the policy version of the
 weights that sampled it.
 
+With `num_park_slots > 0` an aborted sequence's KV cache is kept in a spare slot, and a later request
+whose input is exactly that sequence's tokens restores it instead of re-running the prefill. Whether a
+cache computed by older weights may be reused is `kv_reuse_max_staleness` (0: never; the default), see
+`scheduler.ParkedKV` and docs/architecture.md.
+
 Why our own engine and not transformers' `ContinuousBatchingManager`: a cancelled request there yields no
 final result, and it measured 2-6x slower than `model.generate` on CPU (docs/architecture.md).
 """
@@ -17,7 +22,7 @@ import torch
 
 from april_ray.batching import padded_chunks
 from april_ray.engine.model_runner import ModelRunner, sample
-from april_ray.engine.scheduler import Scheduler, Sequence
+from april_ray.engine.scheduler import ParkedKV, Scheduler, Sequence
 from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
 
 
@@ -28,15 +33,18 @@ def prefill_chunks(seqs: list[Sequence], max_padded_tokens: int) -> list[list[Se
 
 class LLMEngine:
     def __init__(self, model, max_num_seqs: int = 256, max_model_len: int = 640,
-                 max_prefill_tokens: int = 8192, seed: int = 0, version: int = 0):
+                 max_prefill_tokens: int = 8192, seed: int = 0, version: int = 0,
+                 num_park_slots: int = 0, kv_reuse_max_staleness: int = 0):
         self.vocab_size = model.config.vocab_size
         self.max_model_len = max_model_len
-        self.runner = ModelRunner(model, max_num_seqs, max_model_len)
+        self.runner = ModelRunner(model, max_num_seqs + num_park_slots, max_model_len)
         self.scheduler = Scheduler(max_num_seqs, max_prefill_tokens)
+        self.parked = ParkedKV(max_num_seqs, num_park_slots, kv_reuse_max_staleness)
         self.generator = torch.Generator().manual_seed(seed)
         self.version = version
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
+        self.num_reused_tokens = 0
         self.busy_s = 0.0
         self.occupancy: list[tuple[float, int]] = []
 
@@ -65,6 +73,11 @@ class LLMEngine:
         seq = self.scheduler.find(request_id)
         if seq is None:
             return None
+        if seq.slot >= 0 and seq.num_tokens > 1:
+            tokens = seq.request.input_ids + seq.token_ids
+            park = self.parked.park(tuple(tokens), len(tokens) - 1, seq.kv_version)
+            if park is not None:
+                self.runner.copy_slot(seq.slot, park, len(tokens) - 1)
         self._remove(seq)
         return seq.output(FinishReason.ABORT)
 
@@ -89,15 +102,19 @@ class LLMEngine:
             with torch.no_grad():
                 self.runner.model.load_state_dict(state_dict, strict=True)
         self.version = version
+        self.parked.expire(version)
 
     # -- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[GenerateOutput]:
         """Admit and prefill waiting requests, then decode one token for every running one."""
         t0 = time.perf_counter()
         finished: list[GenerateOutput] = []
-        for chunk in prefill_chunks(self.scheduler.admit(), self.scheduler.max_prefill_tokens):
+        admitted = self.scheduler.admit(self._prefill_cost)
+        for chunk in prefill_chunks([s for s in admitted if not self._restore(s)], self.scheduler.max_prefill_tokens):
             logits = self.runner.prefill([s.request.input_ids + s.token_ids for s in chunk], [s.slot for s in chunk])
             self.num_prefill_tokens += sum(s.num_tokens for s in chunk)
+            for s in chunk:
+                s.kv_version = self.version
             finished += self._sample(chunk, logits)
         running = list(self.scheduler.running)
         if running:
@@ -106,6 +123,20 @@ class LLMEngine:
         self.busy_s += time.perf_counter() - t0
         self.occupancy.append((time.time(), len(running)))
         return finished
+
+    def _prefill_cost(self, seq: Sequence) -> int:
+        return 1 if self.parked.usable(tuple(seq.request.input_ids), self.version) else seq.num_tokens
+
+    def _restore(self, seq: Sequence) -> bool:
+        """Reattach a parked cache for this exact input; the sequence then joins this step's decode,
+        which feeds its last token."""
+        entry = self.parked.take(tuple(seq.request.input_ids), self.version)
+        if entry is None:
+            return False
+        self.runner.copy_slot(entry.slot, seq.slot, entry.length)
+        seq.kv_version = entry.version
+        self.num_reused_tokens += entry.length
+        return True
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[GenerateOutput]:
         params = [s.request.sampling for s in seqs]
@@ -129,7 +160,7 @@ class LLMEngine:
         move = self.scheduler.remove(seq)
         if move is not None:
             src, dst = move
-            self.runner.move_slot(src, dst, self.scheduler.running[dst].num_tokens)
+            self.runner.copy_slot(src, dst, self.scheduler.running[dst].num_tokens)
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
         """Offline convenience: run to completion, outputs in request order."""
@@ -146,4 +177,5 @@ class LLMEngine:
         if drain:
             self.occupancy = []
         return EngineStats(self.num_generated_tokens, self.num_prefill_tokens, self.busy_s,
-                           len(self.scheduler.running), len(self.scheduler.waiting), self.version, occupancy)
+                           len(self.scheduler.running), len(self.scheduler.waiting), self.version, occupancy,
+                           self.num_reused_tokens, len(self.parked))

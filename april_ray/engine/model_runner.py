@@ -17,7 +17,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model, max_num_seqs: int, max_model_len: int):
+    def __init__(self, model, num_slots: int, max_model_len: int):
+        """`num_slots`: the running batch's slots first, then any slots that park aborted sequences."""
         cfg = model.config
         self.model = model
         self.layers = model.model.layers
@@ -26,7 +27,7 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_model_len = max_model_len
         dtype = next(model.parameters()).dtype
-        shape = (len(self.layers), max_num_seqs, self.num_kv_heads, max_model_len, self.head_dim)
+        shape = (len(self.layers), num_slots, self.num_kv_heads, max_model_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype)
         self.v_cache = torch.zeros(shape, dtype=dtype)
         theta = cfg.rope_parameters["rope_theta"]
@@ -129,7 +130,8 @@ class ModelRunner:
             out.append((idx, span, (torch.arange(span)[None, :] <= p[:, None])[:, None, None, :]))
         return out
 
-    def move_slot(self, src: int, dst: int, length: int) -> None:
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` cached positions of one slot into another (park, restore, repack)."""
         self.k_cache[:, dst, :, :length] = self.k_cache[:, src, :, :length]
         self.v_cache[:, dst, :, :length] = self.v_cache[:, src, :, :length]
 

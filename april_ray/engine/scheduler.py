@@ -6,7 +6,7 @@ returned move tells the runner which cache rows to copy).
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from april_ray.types import FinishReason, GenerateOutput, GenerateRequest
@@ -21,6 +21,8 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     slot: int = -1
+    kv_version: int = -1
+    """Oldest weights version that computed any of this sequence's cached keys and values."""
 
     @property
     def num_tokens(self) -> int:
@@ -62,14 +64,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def admit(self) -> list[Sequence]:
-        """Move waiting sequences into free slots, within the prefill token budget (at least one)."""
+    def admit(self, cost=lambda seq: seq.num_tokens) -> list[Sequence]:
+        """Move waiting sequences into free slots, within the prefill token budget (at least one).
+        `cost(seq)`: the tokens its prefill will run (fewer when its cache is restored)."""
         admitted, budget = [], self.max_prefill_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if admitted and seq.num_tokens > budget:
+            c = cost(seq)
+            if admitted and c > budget:
                 break
-            budget -= seq.num_tokens
+            budget -= c
             seq.slot = len(self.running)
             self.running.append(self.waiting.popleft())
             admitted.append(seq)
@@ -94,3 +98,61 @@ class Scheduler:
         if request_id not in self.ids:
             return None
         return next(s for s in (*self.running, *self.waiting) if s.request.request_id == request_id)
+
+
+@dataclass
+class ParkedEntry:
+    slot: int
+    length: int
+    """Cached positions: every token of the key but the last (which the next decode step feeds)."""
+    version: int
+    """Oldest weights version that computed this cache."""
+
+
+class ParkedKV:
+    """KV caches of aborted sequences, kept in spare slots so that resuming them skips the prefill.
+
+    APRIL resumes an interrupted sample by sending prompt + its tokens again; without this the engine
+    recomputes that whole prefix. Entries are keyed by the exact token ids (the resumed request's input
+    is the aborted sequence's tokens, so a hit is an exact match), evicted oldest first when the spare
+    slots run out, and reusable while the weights are at most `max_staleness` versions newer than the
+    ones that computed them (0: only the very same weights, an exact prefix cache).
+    """
+
+    def __init__(self, first_slot: int, num_slots: int, max_staleness: int):
+        self.free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
+        self.max_staleness = max_staleness
+        self.entries: OrderedDict[tuple[int, ...], ParkedEntry] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def park(self, key: tuple[int, ...], length: int, version: int) -> int | None:
+        """Reserve a slot for this cache (evicting the oldest entry if needed); None if parking is off."""
+        if key in self.entries:
+            self.free.append(self.entries.pop(key).slot)
+        if not self.free and self.entries:
+            self.free.append(self.entries.popitem(last=False)[1].slot)
+        if not self.free:
+            return None
+        slot = self.free.pop()
+        self.entries[key] = ParkedEntry(slot, length, version)
+        return slot
+
+    def usable(self, key: tuple[int, ...], version: int) -> ParkedEntry | None:
+        entry = self.entries.get(key)
+        if entry is None or version - entry.version > self.max_staleness or entry.length != len(key) - 1:
+            return None
+        return entry
+
+    def take(self, key: tuple[int, ...], version: int) -> ParkedEntry | None:
+        """The entry for this exact input, removed (its slot is free once the caller has copied it)."""
+        entry = self.usable(key, version)
+        if entry is not None:
+            del self.entries[key]
+            self.free.append(entry.slot)
+        return entry
+
+    def expire(self, version: int) -> None:
+        for key in [k for k, e in self.entries.items() if version - e.version > self.max_staleness]:
+            self.free.append(self.entries.pop(key).slot)
