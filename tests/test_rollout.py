@@ -6,7 +6,7 @@ import pytest
 from april_ray.config import RolloutConfig
 from april_ray.store import PartialRolloutStore
 from april_ray.types import SampleState
-from tests.fakes import TOKEN, make_rollout_parts, resolve
+from tests.fakes import TOKEN, LocalHandle, make_rollout_parts, resolve
 
 
 def cfg(**kw):
@@ -57,6 +57,11 @@ def test_april_many_steps_nothing_lost_or_duplicated(seed, abort_delay):
     assert any(r.metrics["rollout/off_policy_token_ratio"] > 0 for r in results)
     resumed = [s for r in results for s in returned_samples(r) if s.num_resumes]
     assert resumed and any(len(set(s.versions)) > 1 for s in resumed)  # tokens from several policies
+    # every returned sample is behind a handle of this monitor, also the finished members of groups that
+    # went through the store (which holds values): no new object per sample (a ray.put each on Ray)
+    assert all(isinstance(h, LocalHandle) for r in results for g in r.groups for h in g)
+    assert not rollout.finished_handles.keys() - {s.sample_id for g in store.partial.values() for s in g.samples} \
+        - {s.sample_id for g in store.complete for s in g.samples}
     # versions never decrease along a response, and are at most the step that returned it
     for r in results:
         for s in returned_samples(r):
