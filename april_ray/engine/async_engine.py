@@ -12,6 +12,9 @@ from april_ray.engine.cpu_engine import LLMEngine
 from april_ray.types import EngineStats, GenerateOutput, GenerateRequest
 
 
+YIELDS_PER_STEP = 4
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -74,4 +77,8 @@ class AsyncEngine:
                 self._futures.clear()
                 self.engine.abort_all()
                 raise
-            await asyncio.sleep(0)
+            # A call that arrives during a step needs a few loop turns to start running (Ray hands it
+            # over from its own thread, then the task starts, then it reaches our code); one turn per
+            # step made an abort wait two or three steps.
+            for _ in range(YIELDS_PER_STEP):
+                await asyncio.sleep(0)
