@@ -1,8 +1,8 @@
 """EngineWorker actor: an async shell around `april_ray.engine_worker.EngineWorker`.
 
-One actor per engine; it serves many concurrent `generate` calls on its event loop. `generate` returns
-two object refs: the small `SampleMeta` that the monitor reads, and the `Sample`, which only its consumer
-(the store, or a learner rank) ever fetches.
+One actor per engine; it serves many concurrent `generate_group` calls on its event loop. A call returns
+two object refs: the small `SampleMeta`s that the monitor reads, and the samples, which only their
+consumer (the store, or a learner rank) ever fetches.
 """
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ class EngineWorkerActor:
                                    get_reward_fn(task_name), sampling)
 
     async def generate_group(self, step, *samples):
-        """Call with `.options(num_returns=len(samples) + 1)`: returns the metas, then one ref per sample.
+        """Call with `.options(num_returns=2)`: the metas (for the monitor), then the list of samples
+        (for their consumer; see actors/samples.py).
 
         Samples are positional arguments so that Ray resolves any object refs among them."""
-        metas, out = await self.worker.generate_group(list(samples), step)
-        return (metas, *out)
+        return await self.worker.generate_group(list(samples), step)
 
     async def throughput_probe(self, prompts: list[list[int]], concurrency: int, seconds: float):
         return await self.worker.throughput_probe(prompts, concurrency, seconds)

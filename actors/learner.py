@@ -11,6 +11,7 @@ import socket
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.samples import fetch
 from april_ray.config import Config
 from april_ray.learner import Learner
 from april_ray.placement import actor_resources
@@ -32,8 +33,8 @@ class LearnerActor:
         self.learner = Learner(model_path, cfg.learner, cfg.algorithm, cfg.rollout.temperature,
                                cfg.rollout.max_response_len, rank, world_size, master[1])
 
-    def train(self, sample_refs: list, version: int) -> dict:
-        return self.learner.train_step(ray.get(sample_refs), version)
+    def train(self, handles: list, version: int) -> dict:
+        return self.learner.train_step(fetch(handles), version)
 
     def publish(self):
         return ray.put(self.learner.state_dict())

@@ -6,6 +6,7 @@ import asyncio
 import ray
 from ray.exceptions import RayActorError
 
+from actors.samples import SampleRef, as_handles
 from april_ray.config import RolloutConfig
 from april_ray.rollout import EngineFailure, Rollout
 
@@ -26,9 +27,8 @@ class RayEnginePool:
         self.capacities = capacities
 
     def generate(self, engine: int, samples: list, step):
-        method = self.engines[engine].generate_group.options(num_returns=len(samples) + 1)
-        meta_ref, *sample_refs = method.remote(step, *samples)
-        return self._meta(meta_ref), sample_refs
+        meta_ref, samples_ref = self.engines[engine].generate_group.options(num_returns=2).remote(step, *samples)
+        return self._meta(meta_ref), [SampleRef(samples_ref, i) for i in range(len(samples))]
 
     @staticmethod
     async def _meta(ref):
@@ -45,10 +45,6 @@ class RayEnginePool:
                 raise r
 
 
-def _as_refs(groups: list[list]) -> list[list]:
-    return [[s if isinstance(s, ray.ObjectRef) else ray.put(s) for s in g] for g in groups]
-
-
 @ray.remote(num_cpus=0)
 class CompletionMonitorActor:
     def __init__(self, cfg: RolloutConfig, engines, capacities: list[int], source, store):
@@ -56,9 +52,9 @@ class CompletionMonitorActor:
 
     async def step(self, step: int, version: int):
         result = await self.rollout.step(step, version)
-        # Carried-over groups came back from the store as values: give them refs like the rest.
-        result.groups = _as_refs(result.groups)
-        result.dropped_groups = _as_refs(result.dropped_groups)
+        # Groups carried over from the store (after a monitor restart) hold values: give them handles too.
+        result.groups = as_handles(result.groups)
+        result.dropped_groups = as_handles(result.dropped_groups)
         return result
 
     async def counters(self) -> dict:

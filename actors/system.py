@@ -43,6 +43,7 @@ class Engines:
                 "engine/busy_s": sum(st.busy_s for st in stats),
                 "engine/generated_tokens_total": sum(st.num_generated_tokens for st in stats),
                 "engine/prefill_tokens_total": sum(st.num_prefill_tokens for st in stats),
+                "engine/reused_kv_tokens_total": sum(st.num_reused_tokens for st in stats),
                 "engine/version_min": min(st.version for st in stats)}
 
     def shutdown(self) -> None:

@@ -1,6 +1,8 @@
 """Rollout benchmark: the synchronous baseline vs APRIL on the same engines and data, in one run.
 
-    python -m jobs.bench_rollout --json PATH [--sweep] [--steps 10] [key=value ...]
+    python -m jobs.bench_rollout --json PATH [--sweep] [--steps 10] [--config YAML] [key=value ...]
+
+The config defaults to configs/tiny_cpu.yaml, the embedded default the main job trains with.
 
 Per mode: fresh prompt source (same seed, so the same prompts), store and monitor on the same engine
 actors; `--warmup-steps` unmeasured steps, then `--steps` measured ones. Between steps a stand-in
@@ -165,6 +167,7 @@ def sweep(cfg: Config, model_path, engines: Engines, weights_ref, steps: int, ce
 
 def main() -> None:
     def extra(p):
+        p.set_defaults(config=str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"))
         p.add_argument("--json", required=True)
         p.add_argument("--sweep", action="store_true", help="also run APRIL at N'/N = 1, 1.5, 2, 3, 4")
         p.add_argument("--steps", type=int, default=10)

@@ -7,6 +7,7 @@ GPUs stand in for real ones in the placement math.
 import pytest
 import ray
 
+from actors.samples import fetch
 from actors.system import start_engines, start_rollout
 from april_ray.config import load_config
 from april_ray.types import SampleState
@@ -28,7 +29,7 @@ def run_steps(cfg, model_dir, engines, num_steps, first_step=0, actors=None):
     results = []
     for step in range(first_step, first_step + num_steps):
         result = ray.get(actors.monitor.step.remote(step, step))
-        samples = ray.get([ref for group in result.groups for ref in group])  # what a learner rank fetches
+        samples = fetch([h for group in result.groups for h in group])  # what a learner rank fetches
         for s in samples:
             assert s.state == SampleState.FINISHED and s.sample_id not in seen
             seen.add(s.sample_id)
@@ -68,8 +69,10 @@ def engines_of():
         engines.shutdown()
 
 
-def test_april_steps_on_two_engine_workers(local_ray, tmp_path, model_dir, engines_of):
-    cfg = small_cfg(tmp_path)
+@pytest.mark.parametrize("park", [False, True])
+def test_april_steps_on_two_engine_workers(local_ray, tmp_path, model_dir, engines_of, park):
+    extra = ["engine.park_slots=32", "engine.kv_reuse_max_staleness=100"] if park else []
+    cfg = small_cfg(tmp_path, *extra)
     engines = engines_of(cfg, model_dir)
     actors, results = run_steps(cfg, model_dir, engines, 8)
     resumed = [s for _, samples in results for s in samples if s.num_resumes]
@@ -79,6 +82,8 @@ def test_april_steps_on_two_engine_workers(local_ray, tmp_path, model_dir, engin
     assert [st.version for st in engines.stats()] == [8, 8]
     stats = engines.stats()
     assert all(st.num_generated_tokens > 0 for st in stats)  # both engines served
+    # with spare slots, resumed samples went back to their engine and restored their parked caches
+    assert (sum(st.num_reused_tokens for st in stats) > 0) == park
 
 
 def test_sync_baseline_on_ray_stores_nothing(local_ray, tmp_path, model_dir, engines_of):

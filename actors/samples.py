@@ -1,0 +1,38 @@
+"""Handles of samples on Ray, and fetching them.
+
+A `generate_group` call returns two objects: the small metas (read by the monitor) and the list of its
+samples. One object per call instead of one per sample halves Ray's per-object work on the monitor, the
+busiest control-plane process (measured in BENCHMARKS.md). A sample is then addressed as
+`SampleRef(call's list, index)`; whole groups go to one consumer, so a consumer fetches only the calls of
+its own groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    ref: ray.ObjectRef
+    """A list of samples (one generate_group call's result, or one `ray.put` of several)."""
+    index: int
+
+
+def fetch(handles: list) -> list:
+    """Values of `handles` (SampleRef, ObjectRef of one sample, or a value), with one batched `ray.get`."""
+    refs = list(dict.fromkeys(h.ref if isinstance(h, SampleRef) else h for h in handles
+                              if isinstance(h, (SampleRef, ray.ObjectRef))))
+    values = dict(zip(refs, ray.get(refs)))
+    return [values[h.ref][h.index] if isinstance(h, SampleRef) else values[h] if isinstance(h, ray.ObjectRef) else h
+            for h in handles]
+
+
+def as_handles(groups: list[list]) -> list[list]:
+    """Give values (groups that came back from the store) handles too, with one `ray.put` for all of them."""
+    values = [s for g in groups for s in g if not isinstance(s, (SampleRef, ray.ObjectRef))]
+    if not values:
+        return groups
+    ref, i = ray.put(values), iter(range(len(values)))
+    return [[s if isinstance(s, (SampleRef, ray.ObjectRef)) else SampleRef(ref, next(i)) for s in g] for g in groups]
