@@ -48,6 +48,9 @@ class EngineWorkerActor:
     async def update_weights(self, state_dict, version: int) -> None:
         self.worker.update_weights(state_dict, version)
 
+    async def set_kv_reuse_max_staleness(self, max_staleness: int) -> None:
+        self.worker.set_kv_reuse_max_staleness(max_staleness)
+
     async def where(self) -> tuple[str, list[str]]:
         """(node id, accelerator ids Ray assigned to this actor)."""
         ctx = ray.get_runtime_context()

@@ -10,6 +10,10 @@ learner publishes the weights again under the next policy version (through the r
 versions and staleness are exercised. The ceiling is the engines' saturated throughput measured in the
 same run: every slot of every engine kept busy with this task's prompts (each finished request replaced
 at once), so the ceiling has the task's own length mix but no tail and no interruption.
+
+When the engines park interrupted samples' KV caches (engine.park_slots, kv_reuse_max_staleness > 0),
+a third mode, `april_recompute`, runs APRIL again with reuse switched off on the same engines: every
+resume re-prefills, as in slime and AReaL. `kv_reuse_speedup` is APRIL over it.
 """
 from __future__ import annotations
 
@@ -41,6 +45,10 @@ def engine_counters(engines: Engines) -> dict[str, int]:
     return {"engine_decoded_tokens": sum(s.num_generated_tokens for s in stats),
             "engine_prefill_tokens": sum(s.num_prefill_tokens for s in stats),
             "engine_reused_kv_tokens": sum(s.num_reused_tokens for s in stats)}
+
+
+def set_kv_reuse(engines: Engines, max_staleness: int) -> None:
+    ray.get([e.set_kv_reuse_max_staleness.remote(max_staleness) for e in engines.actors])
 
 
 def run_mode(cfg: Config, model_path, engines: Engines, weights_ref, steps: int, warmup_steps: int) -> dict:
@@ -194,20 +202,30 @@ def main() -> None:
         "april": run_mode(with_rollout(cfg, partial_rollout=True), model_path, engines, weights_ref,
                           args.steps, args.warmup_steps),
     }
+    if cfg.engine.park_slots and cfg.engine.kv_reuse_max_staleness:
+        # Ablation in the same run: APRIL with every resume re-prefilled (parked caches of older weights
+        # are not reused), as in slime and AReaL.
+        set_kv_reuse(engines, 0)
+        modes["april_recompute"] = run_mode(with_rollout(cfg, partial_rollout=True), model_path, engines,
+                                            weights_ref, args.steps, args.warmup_steps)
+        set_kv_reuse(engines, cfg.engine.kv_reuse_max_staleness)
     saturated.append(saturated_tok_s(engines, probe_prompts))
     ceiling = float(np.mean(saturated))
     for res in modes.values():
         res["utilization"] = res["effective_tok_s"] / ceiling
     result = {
         "saturated_tok_s": ceiling, "saturated_runs": saturated,
-        "sync": public(modes["sync"]), "april": public(modes["april"]),
+        **{name: public(res) for name, res in modes.items()},
         "speedup": modes["april"]["effective_tok_s"] / modes["sync"]["effective_tok_s"],
-        "lost_samples": modes["sync"]["lost_samples"] + modes["april"]["lost_samples"],
-        "duplicated_samples": modes["sync"]["duplicated_samples"] + modes["april"]["duplicated_samples"],
+        **({"kv_reuse_speedup": modes["april"]["effective_tok_s"] / modes["april_recompute"]["effective_tok_s"]}
+           if "april_recompute" in modes else {}),
+        "lost_samples": sum(res["lost_samples"] for res in modes.values()),
+        "duplicated_samples": sum(res["duplicated_samples"] for res in modes.values()),
         "config": {"rollout_batch_size": n, "over_sampling_batch_size": cfg.rollout.over_sampling_batch_size,
                    "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
                    "num_engines": cfg.rollout.num_engines, "max_num_seqs": cfg.engine.max_num_seqs,
-                   "max_response_len": cfg.rollout.max_response_len},
+                   "max_response_len": cfg.rollout.max_response_len, "park_slots": cfg.engine.park_slots,
+                   "kv_reuse_max_staleness": cfg.engine.kv_reuse_max_staleness},
         "plots": plot(out_dir, modes, engines.capacities[0]),
     }
     if args.sweep:

@@ -250,3 +250,16 @@ def test_parked_kv_is_reused_only_within_the_staleness_bound(policy, max_stalene
     before = engine.stats().num_reused_tokens
     engine.generate([GenerateRequest("other", req.input_ids + part2.token_ids[:-1], greedy(3))])
     assert engine.stats().num_reused_tokens == before
+
+
+def test_kv_reuse_bound_can_be_changed_at_run_time(policy):
+    model, tok = policy
+    engine = LLMEngine(model, max_num_seqs=4, max_model_len=128, num_park_slots=4, kv_reuse_max_staleness=3)
+    [req] = requests(tok, greedy(30), PROMPTS[:1])
+    [part] = _abort_after(engine, [req], 4)
+    engine.update_weights(None, version=1)
+    assert engine.stats().num_parked == 1
+    engine.set_kv_reuse_max_staleness(0)  # the cache of version 0 is now too old: dropped
+    assert engine.stats().num_parked == 0
+    engine.generate([GenerateRequest("again", req.input_ids + part.token_ids, greedy(5))])
+    assert engine.stats().num_reused_tokens == 0

@@ -104,6 +104,11 @@ class LLMEngine:
         self.version = version
         self.parked.expire(version)
 
+    def set_kv_reuse_max_staleness(self, max_staleness: int) -> None:
+        """Change the reuse bound of parked caches at run time (benchmarks compare reuse with recompute)."""
+        self.parked.max_staleness = max_staleness
+        self.parked.expire(self.version)
+
     # -- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[GenerateOutput]:
         """Admit and prefill waiting requests, then decode one token for every running one."""
