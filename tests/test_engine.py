@@ -263,3 +263,32 @@ def test_kv_reuse_bound_can_be_changed_at_run_time(policy):
     assert engine.stats().num_parked == 0
     engine.generate([GenerateRequest("again", req.input_ids + part.token_ids, greedy(5))])
     assert engine.stats().num_reused_tokens == 0
+
+
+def test_repeated_interruptions_with_parking_and_eviction_stay_exact(policy):
+    """Four rounds of abort-all and resume (restored, or re-prefilled after an eviction) reproduce the
+    uninterrupted greedy continuation of every request."""
+    model, tok = policy
+    engine = LLMEngine(model, max_num_seqs=8, max_model_len=160, num_park_slots=4)
+    total = 36
+    inputs = {f"r{i}": tok.encode(p) for i, p in enumerate(PROMPTS)}
+    done = {rid: [] for rid in inputs}
+    for rid, ids in inputs.items():
+        engine.add_request(GenerateRequest(f"{rid}#0", ids, greedy(total)))
+    for round_ in range(1, 5):
+        for _ in range(4):
+            for out in engine.step():
+                done[out.request_id.split("#")[0]] += out.token_ids
+        for out in engine.abort_all():
+            done[out.request_id.split("#")[0]] += out.token_ids
+        for rid, ids in inputs.items():
+            left = total - len(done[rid])
+            if left > 0:
+                engine.add_request(GenerateRequest(f"{rid}#{round_}", ids + done[rid], greedy(left)))
+    while engine.has_work():
+        for out in engine.step():
+            done[out.request_id.split("#")[0]] += out.token_ids
+    for rid, p in zip(inputs, PROMPTS):
+        assert done[rid] == hf_greedy(model, tok.encode(p), total), p
+    stats = engine.stats()
+    assert stats.num_reused_tokens > 0 and stats.num_prefill_tokens > sum(map(len, inputs.values()))
