@@ -48,8 +48,8 @@ class EngineWorkerActor:
     async def update_weights(self, state_dict, version: int) -> None:
         self.worker.update_weights(state_dict, version)
 
-    async def set_kv_reuse_max_staleness(self, max_staleness: int) -> None:
-        self.worker.set_kv_reuse_max_staleness(max_staleness)
+    async def set_kv_reuse(self, enabled: bool) -> None:
+        self.worker.set_kv_reuse(enabled)
 
     async def where(self) -> tuple[str, list[str]]:
         """(node id, accelerator ids Ray assigned to this actor)."""

@@ -5,9 +5,10 @@
 The config defaults to configs/tiny_cpu.yaml, the embedded default the main job trains with.
 
 Per mode: fresh prompt source (same seed, so the same prompts), store and monitor on the same engine
-actors; `--warmup-steps` unmeasured steps, then `--steps` measured ones. Between steps a stand-in
-learner publishes the weights again under the next policy version (through the real weight path), so
-versions and staleness are exercised. The ceiling is the engines' saturated throughput measured in the
+actors; `--warmup-steps` unmeasured steps, then `--steps` measured ones. The modes run interleaved, step
+by step, so that the machine's drift falls on all of them alike. Before each step a stand-in learner
+publishes the weights again under the next policy version (through the real weight path), so versions
+and staleness are exercised. Each sweep point runs interleaved with a sync baseline of its own. The ceiling is the engines' saturated throughput measured in the
 same run: every slot of every engine kept busy with this task's prompts (each finished request replaced
 at once), so the ceiling has the task's own length mix but no tail and no interruption.
 
@@ -40,67 +41,79 @@ def saturated_tok_s(engines: Engines, prompts: list[list[int]]) -> float:
     return sum(t for t, _ in results) / max(s for _, s in results)
 
 
-def engine_counters(engines: Engines) -> dict[str, int]:
-    stats = engines.stats(drain=False)
-    return {"engine_decoded_tokens": sum(s.num_generated_tokens for s in stats),
-            "engine_prefill_tokens": sum(s.num_prefill_tokens for s in stats),
-            "engine_reused_kv_tokens": sum(s.num_reused_tokens for s in stats)}
+COUNTERS = {"engine_decoded_tokens": "num_generated_tokens", "engine_prefill_tokens": "num_prefill_tokens",
+            "engine_reused_kv_tokens": "num_reused_tokens"}
 
 
-def set_kv_reuse(engines: Engines, max_staleness: int) -> None:
-    ray.get([e.set_kv_reuse_max_staleness.remote(max_staleness) for e in engines.actors])
+def set_kv_reuse(engines: Engines, enabled: bool) -> None:
+    ray.get([e.set_kv_reuse.remote(enabled) for e in engines.actors])
 
 
-def run_mode(cfg: Config, model_path, engines: Engines, weights_ref, steps: int, warmup_steps: int) -> dict:
-    actors = start_rollout(cfg, model_path, engines)
-    version, wall, rows, occupancy, lengths, latencies, seen = 0, 0.0, [], [], [], [], set()
-    duplicated = 0
-    engines.publish(weights_ref, version)
-    counters0 = None
-    for step in range(warmup_steps + steps):
-        if step == warmup_steps:
-            counters0 = engine_counters(engines)
-        engines.stats(drain=True)
+class Mode:
+    """One rollout configuration with its own source, store and monitor on the shared engines."""
+
+    def __init__(self, name: str, cfg: Config, model_path, engines: Engines, kv_reuse: bool = True):
+        self.name, self.cfg, self.engines, self.kv_reuse = name, cfg, engines, kv_reuse
+        self.actors = start_rollout(cfg, model_path, engines)
+        self.wall, self.rows, self.occupancy, self.lengths, self.latencies = 0.0, [], [], [], []
+        self.seen, self.duplicated = set(), 0
+        self.counters = dict.fromkeys(COUNTERS, 0)
+
+    def step(self, step: int, version: int, measured: bool) -> None:
+        set_kv_reuse(self.engines, self.kv_reuse)
+        before = self.engines.stats(drain=True)
         t0 = time.perf_counter()
-        result = ray.get(actors.monitor.step.remote(step, version))
+        result = ray.get(self.actors.monitor.step.remote(step, version))
         dt = time.perf_counter() - t0
-        stats = engines.stats(drain=True)
-        version += 1
-        engines.publish(weights_ref, version)  # stand-in learner: next policy version
-        if step < warmup_steps:
-            continue
-        wall += dt
+        after = self.engines.stats(drain=True)
+        if not measured:
+            return
+        self.wall += dt
+        for key, field in COUNTERS.items():
+            self.counters[key] += sum(getattr(a, field) - getattr(b, field) for a, b in zip(after, before))
         m = result.metrics
-        rows.append(m | {"staleness": result.staleness, "store_groups": ray.get(actors.store.size.remote())})
-        latencies.append(m["rollout/abort_latency_s"])
-        occupancy.append([s.occupancy for s in stats])
+        self.rows.append(m | {"store_groups": ray.get(self.actors.store.size.remote())})
+        self.latencies.append(m["rollout/abort_latency_s"])
+        self.occupancy.append([s.occupancy for s in after])
         for group in result.metas:
             for meta in group:
-                duplicated += meta.sample_id in seen
-                seen.add(meta.sample_id)
-                lengths.append(meta.response_len)
-    counters1 = engine_counters(engines)
-    taken = ray.get(actors.source.num_groups_taken.remote())
-    counters = ray.get(actors.monitor.counters.remote())
-    stored = ray.get(actors.store.size.remote())
-    actors.shutdown()
-    trained = sum(r["rollout/trained_tokens"] for r in rows)
-    off = sum(r["rollout/off_policy_token_ratio"] * r["rollout/trained_tokens"] for r in rows)
-    return {
-        "effective_tok_s": trained / wall,
-        "generated_tok_s": sum(r["rollout/generated_tokens"] for r in rows) / wall,
-        "abort_latency_ms_p99": float(np.percentile(latencies, 99) * 1000),
-        "abort_latency_ms_p50": float(np.percentile(latencies, 50) * 1000),
-        "off_policy_token_ratio": off / max(1, trained),
-        "max_staleness": max(r["rollout/staleness_max"] for r in rows),
-        "store_groups_mean": float(np.mean([r["store_groups"] for r in rows])),
-        "wall_s": wall, "steps": steps, "trained_tokens": trained,
-        **{k: counters1[k] - counters0[k] for k in counters1},
-        "lost_samples": (taken - counters["returned_groups"] - counters["dropped_groups"] - stored)
-        * cfg.rollout.n_samples_per_prompt,
-        "duplicated_samples": duplicated,
-        "_occupancy": occupancy, "_lengths": lengths,
-    }
+                self.duplicated += meta.sample_id in self.seen
+                self.seen.add(meta.sample_id)
+                self.lengths.append(meta.response_len)
+
+    def result(self) -> dict:
+        actors, rows = self.actors, self.rows
+        taken = ray.get(actors.source.num_groups_taken.remote())
+        counters = ray.get(actors.monitor.counters.remote())
+        stored = ray.get(actors.store.size.remote())
+        actors.shutdown()
+        trained = sum(r["rollout/trained_tokens"] for r in rows)
+        off = sum(r["rollout/off_policy_token_ratio"] * r["rollout/trained_tokens"] for r in rows)
+        return {
+            "effective_tok_s": trained / self.wall,
+            "generated_tok_s": sum(r["rollout/generated_tokens"] for r in rows) / self.wall,
+            "abort_latency_ms_p99": float(np.percentile(self.latencies, 99) * 1000),
+            "abort_latency_ms_p50": float(np.percentile(self.latencies, 50) * 1000),
+            "off_policy_token_ratio": off / max(1, trained),
+            "max_staleness": max(r["rollout/staleness_max"] for r in rows),
+            "store_groups_mean": float(np.mean([r["store_groups"] for r in rows])),
+            "wall_s": self.wall, "steps": len(rows), "trained_tokens": trained, **self.counters,
+            "lost_samples": (taken - counters["returned_groups"] - counters["dropped_groups"] - stored)
+            * self.cfg.rollout.n_samples_per_prompt,
+            "duplicated_samples": self.duplicated,
+            "_occupancy": self.occupancy, "_lengths": self.lengths,
+        }
+
+
+def run_interleaved(modes: list[Mode], engines: Engines, weights_ref, steps: int, warmup_steps: int) -> dict:
+    """Step i of every mode, one after the other, then step i + 1: the machine's drift over the run
+    (its throughput moved by 20% within one run here) falls on every mode alike. Every mode's step i runs
+    under policy version i, which a stand-in learner publishes through the real weight path."""
+    for step in range(warmup_steps + steps):
+        engines.publish(weights_ref, step)
+        for mode in modes:
+            mode.step(step, step, measured=step >= warmup_steps)
+    return {mode.name: mode.result() for mode in modes}
 
 
 def with_rollout(cfg: Config, **changes) -> Config:
@@ -118,18 +131,23 @@ def plot(out_dir: Path, modes: dict[str, dict], cap: int) -> list[str]:
         steps = res["_occupancy"]
         num_engines = len(steps[0])
         fig, axes = plt.subplots(num_engines, 1, figsize=(11, 2.2 * num_engines), sharex=True, squeeze=False)
-        t0 = min(t for step in steps for eng in step for t, _ in eng[:1])
+        # The modes ran interleaved: lay this mode's steps end to end.
+        offsets, clock = [], 0.0
+        for step in steps:
+            times = [t for eng in step for t, _ in eng]
+            offsets.append(clock - min(times) if times else 0.0)
+            clock += (max(times) - min(times)) if times else 0.0
         for e in range(num_engines):
             ax = axes[e][0]
-            for step in steps:
+            for step, off in zip(steps, offsets):
                 pts = step[e]
                 if pts:
-                    ax.step([t - t0 for t, _ in pts], [n for _, n in pts], where="post", lw=0.8, color="C0")
-                    ax.axvline(pts[0][0] - t0, color="0.8", lw=0.5)
+                    ax.step([t + off for t, _ in pts], [n for _, n in pts], where="post", lw=0.8, color="C0")
+                    ax.axvline(pts[0][0] + off, color="0.8", lw=0.5)
             ax.axhline(cap, color="C3", ls="--", lw=0.8)
             ax.set_ylabel(f"engine {e}\nrunning")
             ax.set_ylim(0, cap * 1.1)
-        axes[-1][0].set_xlabel("seconds (grey lines: step starts; red: concurrency cap)")
+        axes[-1][0].set_xlabel("seconds of this mode's steps, end to end (grey: step starts; red: cap)")
         fig.suptitle(f"{name}: running-batch occupancy, effective {res['effective_tok_s']:.0f} tok/s, "
                      f"utilization {res['utilization']:.2f}")
         path = out_dir / f"occupancy_{name}.png"
@@ -155,21 +173,25 @@ def public(res: dict) -> dict:
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items() if not k.startswith("_")}
 
 
-def sweep(cfg: Config, model_path, engines: Engines, weights_ref, steps: int, ceiling: float,
-          sync_tok_s: float) -> dict:
-    """The paper's ablation of the over-provisioning factor N'/N, on the same engines."""
-    out = {}
+def sweep(cfg: Config, model_path, engines: Engines, weights_ref, steps: int, warmup_steps: int) -> dict:
+    """The paper's ablation of the over-provisioning factor N'/N. Each point runs interleaved with a sync
+    baseline of its own (every Ray actor costs ~1% of a core even idle, so the points do not all run at
+    once); its speedup is over that baseline."""
     n = cfg.rollout.rollout_batch_size
+    keys = ("effective_tok_s", "off_policy_token_ratio", "max_staleness", "store_groups_mean",
+            "abort_latency_ms_p99", "lost_samples", "duplicated_samples")
+    out = {}
     for ratio in (1, 1.5, 2, 3, 4):
-        res = run_mode(with_rollout(cfg, partial_rollout=True, over_sampling_batch_size=int(round(ratio * n))),
-                       model_path, engines, weights_ref, steps, 1)
-        out[str(ratio)] = {
-            "utilization": res["effective_tok_s"] / ceiling, "speedup": res["effective_tok_s"] / sync_tok_s,
-            "off_policy_token_ratio": res["off_policy_token_ratio"], "max_staleness": res["max_staleness"],
-            "store_groups_mean": res["store_groups_mean"], "effective_tok_s": res["effective_tok_s"],
-            "abort_latency_ms_p99": res["abort_latency_ms_p99"],
-            "lost_samples": res["lost_samples"], "duplicated_samples": res["duplicated_samples"],
-        }
+        modes = [Mode("sync", with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n), model_path,
+                      engines),
+                 Mode("april", with_rollout(cfg, partial_rollout=True, over_sampling_batch_size=int(round(ratio * n))),
+                      model_path, engines)]
+        res = run_interleaved(modes, engines, weights_ref, steps, warmup_steps)
+        sync, april = res["sync"], res["april"]
+        out[str(ratio)] = {"speedup": april["effective_tok_s"] / sync["effective_tok_s"],
+                           **{k: april[k] for k in keys}, "sync_effective_tok_s": sync["effective_tok_s"],
+                           "sync_lost_samples": sync["lost_samples"],
+                           "sync_duplicated_samples": sync["duplicated_samples"]}
     return out
 
 
@@ -196,41 +218,39 @@ def main() -> None:
 
     saturated = [saturated_tok_s(engines, probe_prompts)]
     n = cfg.rollout.rollout_batch_size
-    modes = {
-        "sync": run_mode(with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n), model_path,
-                         engines, weights_ref, args.steps, args.warmup_steps),
-        "april": run_mode(with_rollout(cfg, partial_rollout=True), model_path, engines, weights_ref,
-                          args.steps, args.warmup_steps),
-    }
+    modes = [Mode("sync", with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n), model_path, engines),
+             Mode("april", with_rollout(cfg, partial_rollout=True), model_path, engines)]
     if cfg.engine.park_slots and cfg.engine.kv_reuse_max_staleness:
-        # Ablation in the same run: APRIL with every resume re-prefilled (parked caches of older weights
-        # are not reused), as in slime and AReaL.
-        set_kv_reuse(engines, 0)
-        modes["april_recompute"] = run_mode(with_rollout(cfg, partial_rollout=True), model_path, engines,
-                                            weights_ref, args.steps, args.warmup_steps)
-        set_kv_reuse(engines, cfg.engine.kv_reuse_max_staleness)
+        # Ablation in the same run: APRIL with every resume re-prefilled, as in slime and AReaL.
+        modes.append(Mode("april_recompute", with_rollout(cfg, partial_rollout=True), model_path, engines,
+                          kv_reuse=False))
+    results = run_interleaved(modes, engines, weights_ref, args.steps, args.warmup_steps)
     saturated.append(saturated_tok_s(engines, probe_prompts))
     ceiling = float(np.mean(saturated))
-    for res in modes.values():
+    for res in results.values():
         res["utilization"] = res["effective_tok_s"] / ceiling
     result = {
         "saturated_tok_s": ceiling, "saturated_runs": saturated,
-        **{name: public(res) for name, res in modes.items()},
-        "speedup": modes["april"]["effective_tok_s"] / modes["sync"]["effective_tok_s"],
-        **({"kv_reuse_speedup": modes["april"]["effective_tok_s"] / modes["april_recompute"]["effective_tok_s"]}
-           if "april_recompute" in modes else {}),
-        "lost_samples": sum(res["lost_samples"] for res in modes.values()),
-        "duplicated_samples": sum(res["duplicated_samples"] for res in modes.values()),
+        **{name: public(res) for name, res in results.items()},
+        "speedup": results["april"]["effective_tok_s"] / results["sync"]["effective_tok_s"],
+        **({"kv_reuse_speedup": results["april"]["effective_tok_s"] / results["april_recompute"]["effective_tok_s"]}
+           if "april_recompute" in results else {}),
+        "lost_samples": sum(res["lost_samples"] for res in results.values()),
+        "duplicated_samples": sum(res["duplicated_samples"] for res in results.values()),
         "config": {"rollout_batch_size": n, "over_sampling_batch_size": cfg.rollout.over_sampling_batch_size,
                    "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
                    "num_engines": cfg.rollout.num_engines, "max_num_seqs": cfg.engine.max_num_seqs,
                    "max_response_len": cfg.rollout.max_response_len, "park_slots": cfg.engine.park_slots,
                    "kv_reuse_max_staleness": cfg.engine.kv_reuse_max_staleness},
-        "plots": plot(out_dir, modes, engines.capacities[0]),
+        "plots": plot(out_dir, results, engines.capacities[0]),
     }
     if args.sweep:
-        result["sweep"] = sweep(cfg, model_path, engines, weights_ref, args.sweep_steps, ceiling,
-                                modes["sync"]["effective_tok_s"])
+        result["sweep"] = sweep(cfg, model_path, engines, weights_ref, args.sweep_steps, args.warmup_steps)
+        saturated.append(saturated_tok_s(engines, probe_prompts))
+        sweep_ceiling = float(np.mean(saturated[1:]))
+        for name, res in result["sweep"].items():
+            res["utilization"] = res["effective_tok_s"] / sweep_ceiling
+        result["saturated_runs"] = saturated
     print(json.dumps(result, indent=2, default=float))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as f:

@@ -252,17 +252,20 @@ def test_parked_kv_is_reused_only_within_the_staleness_bound(policy, max_stalene
     assert engine.stats().num_reused_tokens == before
 
 
-def test_kv_reuse_bound_can_be_changed_at_run_time(policy):
+def test_kv_reuse_can_be_switched_off_and_on_at_run_time(policy):
     model, tok = policy
     engine = LLMEngine(model, max_num_seqs=4, max_model_len=128, num_park_slots=4, kv_reuse_max_staleness=3)
-    [req] = requests(tok, greedy(30), PROMPTS[:1])
-    [part] = _abort_after(engine, [req], 4)
-    engine.update_weights(None, version=1)
+    [a, b] = requests(tok, greedy(30), PROMPTS[:2])
+    [part_a] = _abort_after(engine, [a], 4)
+    engine.set_kv_reuse(False)  # a's cache stays parked, but nothing is parked or restored now
+    [part_b] = _abort_after(engine, [b], 4)
     assert engine.stats().num_parked == 1
-    engine.set_kv_reuse_max_staleness(0)  # the cache of version 0 is now too old: dropped
-    assert engine.stats().num_parked == 0
-    engine.generate([GenerateRequest("again", req.input_ids + part.token_ids, greedy(5))])
+    engine.generate([GenerateRequest("a1", a.input_ids + part_a.token_ids, greedy(5))])
     assert engine.stats().num_reused_tokens == 0
+    engine.set_kv_reuse(True)
+    [part_a2] = _abort_after(engine, [GenerateRequest("a2", a.input_ids, greedy(30))], 4)
+    engine.generate([GenerateRequest("a3", a.input_ids + part_a2.token_ids, greedy(5))])
+    assert engine.stats().num_reused_tokens == len(a.input_ids) + len(part_a2.token_ids) - 1
 
 
 def test_repeated_interruptions_with_parking_and_eviction_stay_exact(policy):

@@ -48,8 +48,8 @@ class AsyncEngine:
     def update_weights(self, state_dict, version: int) -> None:
         self.engine.update_weights(state_dict, version)
 
-    def set_kv_reuse_max_staleness(self, max_staleness: int) -> None:
-        self.engine.set_kv_reuse_max_staleness(max_staleness)
+    def set_kv_reuse(self, enabled: bool) -> None:
+        self.engine.set_kv_reuse(enabled)
 
     def stats(self, drain: bool = True) -> EngineStats:
         return self.engine.stats(drain)

@@ -19,9 +19,9 @@ class Engine(Protocol):
     def update_weights(self, state_dict, version: int) -> None:
         """Adopt new weights between steps; later tokens carry `version`."""
 
-    def set_kv_reuse_max_staleness(self, max_staleness: int) -> None:
-        """How many versions old a parked KV cache may be and still be reused (engines that do not park
-        caches ignore it)."""
+    def set_kv_reuse(self, enabled: bool) -> None:
+        """Switch parking and restoring of interrupted requests' KV caches off or back on (engines that do
+        not park caches ignore it)."""
 
     def stats(self, drain: bool = True) -> EngineStats:
         """Counters, and the occupancy timeline since the last drain."""

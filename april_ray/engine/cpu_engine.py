@@ -40,6 +40,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, max_num_seqs + num_park_slots, max_model_len)
         self.scheduler = Scheduler(max_num_seqs, max_prefill_tokens)
         self.parked = ParkedKV(max_num_seqs, num_park_slots, kv_reuse_max_staleness)
+        self.kv_reuse = True
         self.generator = torch.Generator().manual_seed(seed)
         self.version = version
         self.num_generated_tokens = 0
@@ -73,7 +74,7 @@ class LLMEngine:
         seq = self.scheduler.find(request_id)
         if seq is None:
             return None
-        if seq.slot >= 0 and seq.num_tokens > 1:
+        if self.kv_reuse and seq.slot >= 0 and seq.num_tokens > 1:
             tokens = seq.request.input_ids + seq.token_ids
             park = self.parked.park(tuple(tokens), len(tokens) - 1, seq.kv_version)
             if park is not None:
@@ -104,10 +105,10 @@ class LLMEngine:
         self.version = version
         self.parked.expire(version)
 
-    def set_kv_reuse_max_staleness(self, max_staleness: int) -> None:
-        """Change the reuse bound of parked caches at run time (benchmarks compare reuse with recompute)."""
-        self.parked.max_staleness = max_staleness
-        self.parked.expire(self.version)
+    def set_kv_reuse(self, enabled: bool) -> None:
+        """Off: aborts park nothing and resumes re-prefill; caches already parked stay for when it is back
+        on (a benchmark runs APRIL with and without reuse, interleaved, on the same engines)."""
+        self.kv_reuse = enabled
 
     # -- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[GenerateOutput]:
@@ -130,13 +131,14 @@ class LLMEngine:
         return finished
 
     def _prefill_cost(self, seq: Sequence) -> int:
-        return 1 if self.parked.usable(tuple(seq.request.input_ids), self.version) else seq.num_tokens
+        hit = self.kv_reuse and self.parked.usable(tuple(seq.request.input_ids), self.version)
+        return 1 if hit else seq.num_tokens
 
     def _restore(self, seq: Sequence) -> bool:
         """Reattach a parked cache for this exact input; the sequence then joins this step's decode,
         which feeds its last token."""
-        entry = self.parked.take(tuple(seq.request.input_ids), self.version)
-        if entry is None:
+        entry = self.kv_reuse and self.parked.take(tuple(seq.request.input_ids), self.version)
+        if not entry:
             return False
         self.runner.copy_slot(entry.slot, seq.slot, entry.length)
         seq.kv_version = entry.version
