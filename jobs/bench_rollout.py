@@ -8,9 +8,12 @@ Per mode: fresh prompt source (same seed, so the same prompts), store and monito
 actors; `--warmup-steps` unmeasured steps, then `--steps` measured ones. The modes run interleaved, step
 by step, so that the machine's drift falls on all of them alike. Before each step a stand-in learner
 publishes the weights again under the next policy version (through the real weight path), so versions
-and staleness are exercised. Each sweep point runs interleaved with a sync baseline of its own. The ceiling is the engines' saturated throughput measured in the
-same run: every slot of every engine kept busy with this task's prompts (each finished request replaced
-at once), so the ceiling has the task's own length mix but no tail and no interruption.
+and staleness are exercised. Each sweep point runs interleaved with a sync baseline of its own. The
+ceiling is the engines' saturated throughput measured in the same run, between the measured steps
+(every `--probe-every` rounds, and before and after): every slot of every engine kept busy with this
+task's prompts (each finished request replaced at once) for 8 s, so the ceiling has the task's own
+length mix but no tail and no interruption. Utilization is effective over the mean of the probes that
+bracket a part of the run.
 
 When the engines park interrupted samples' KV caches (engine.park_slots, kv_reuse_max_staleness > 0),
 a third mode, `april_recompute`, runs APRIL again with reuse switched off on the same engines: every
@@ -105,14 +108,19 @@ class Mode:
         }
 
 
-def run_interleaved(modes: list[Mode], engines: Engines, weights_ref, steps: int, warmup_steps: int) -> dict:
+def run_interleaved(modes: list[Mode], engines: Engines, weights_ref, steps: int, warmup_steps: int,
+                    probe=None, probe_every: int = 0) -> dict:
     """Step i of every mode, one after the other, then step i + 1: the machine's drift over the run
     (its throughput moved by 20% within one run here) falls on every mode alike. Every mode's step i runs
-    under policy version i, which a stand-in learner publishes through the real weight path."""
+    under policy version i, which a stand-in learner publishes through the real weight path. `probe()`
+    runs every `probe_every` measured rounds (not after the last)."""
     for step in range(warmup_steps + steps):
         engines.publish(weights_ref, step)
         for mode in modes:
             mode.step(step, step, measured=step >= warmup_steps)
+        done = step + 1 - warmup_steps
+        if probe and probe_every and 0 < done < steps and done % probe_every == 0:
+            probe()
     return {mode.name: mode.result() for mode in modes}
 
 
@@ -173,10 +181,11 @@ def public(res: dict) -> dict:
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items() if not k.startswith("_")}
 
 
-def sweep(cfg: Config, model_path, engines: Engines, weights_ref, steps: int, warmup_steps: int) -> dict:
+def sweep(cfg: Config, model_path, engines: Engines, weights_ref, steps: int, warmup_steps: int,
+          ceiling_before: float, probe) -> dict:
     """The paper's ablation of the over-provisioning factor N'/N. Each point runs interleaved with a sync
     baseline of its own (every Ray actor costs ~1% of a core even idle, so the points do not all run at
-    once); its speedup is over that baseline."""
+    once); its speedup is over that baseline, its utilization over the probes before and after it."""
     n = cfg.rollout.rollout_batch_size
     keys = ("effective_tok_s", "off_policy_token_ratio", "max_staleness", "store_groups_mean",
             "abort_latency_ms_p99", "lost_samples", "duplicated_samples")
@@ -188,10 +197,13 @@ def sweep(cfg: Config, model_path, engines: Engines, weights_ref, steps: int, wa
                       model_path, engines)]
         res = run_interleaved(modes, engines, weights_ref, steps, warmup_steps)
         sync, april = res["sync"], res["april"]
+        ceiling_after = probe()
         out[str(ratio)] = {"speedup": april["effective_tok_s"] / sync["effective_tok_s"],
+                           "utilization": april["effective_tok_s"] / np.mean([ceiling_before, ceiling_after]),
                            **{k: april[k] for k in keys}, "sync_effective_tok_s": sync["effective_tok_s"],
                            "sync_lost_samples": sync["lost_samples"],
                            "sync_duplicated_samples": sync["duplicated_samples"]}
+        ceiling_before = ceiling_after
     return out
 
 
@@ -203,6 +215,7 @@ def main() -> None:
         p.add_argument("--steps", type=int, default=10)
         p.add_argument("--warmup-steps", type=int, default=2)
         p.add_argument("--sweep-steps", type=int, default=6)
+        p.add_argument("--probe-every", type=int, default=10, help="measure the ceiling every this many rounds")
         p.add_argument("--out-dir", default="outputs/bench_rollout")
 
     cfg, args = parse(__doc__, extra)
@@ -217,6 +230,11 @@ def main() -> None:
     probe_prompts = [tok.encode(ex.prompt) for ex in read_examples(eval_path)]
 
     saturated = [saturated_tok_s(engines, probe_prompts)]
+
+    def probe() -> float:
+        saturated.append(saturated_tok_s(engines, probe_prompts))
+        return saturated[-1]
+
     n = cfg.rollout.rollout_batch_size
     modes = [Mode("sync", with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n), model_path, engines),
              Mode("april", with_rollout(cfg, partial_rollout=True), model_path, engines)]
@@ -224,8 +242,8 @@ def main() -> None:
         # Ablation in the same run: APRIL with every resume re-prefilled, as in slime and AReaL.
         modes.append(Mode("april_recompute", with_rollout(cfg, partial_rollout=True), model_path, engines,
                           kv_reuse=False))
-    results = run_interleaved(modes, engines, weights_ref, args.steps, args.warmup_steps)
-    saturated.append(saturated_tok_s(engines, probe_prompts))
+    results = run_interleaved(modes, engines, weights_ref, args.steps, args.warmup_steps, probe, args.probe_every)
+    probe()
     ceiling = float(np.mean(saturated))
     for res in results.values():
         res["utilization"] = res["effective_tok_s"] / ceiling
@@ -245,11 +263,8 @@ def main() -> None:
         "plots": plot(out_dir, results, engines.capacities[0]),
     }
     if args.sweep:
-        result["sweep"] = sweep(cfg, model_path, engines, weights_ref, args.sweep_steps, args.warmup_steps)
-        saturated.append(saturated_tok_s(engines, probe_prompts))
-        sweep_ceiling = float(np.mean(saturated[1:]))
-        for name, res in result["sweep"].items():
-            res["utilization"] = res["effective_tok_s"] / sweep_ceiling
+        result["sweep"] = sweep(cfg, model_path, engines, weights_ref, args.sweep_steps, args.warmup_steps,
+                                saturated[-1], probe)
         result["saturated_runs"] = saturated
     print(json.dumps(result, indent=2, default=float))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
