@@ -11,7 +11,7 @@ publishes the weights again under the next policy version (through the real weig
 and staleness are exercised. Each sweep point runs interleaved with a sync baseline of its own. The
 ceiling is the engines' saturated throughput measured in the same run, between the measured steps
 (every `--probe-every` rounds, and before and after): every slot of every engine kept busy with this
-task's prompts (each finished request replaced at once) for 8 s, so the ceiling has the task's own
+task's prompts (each finished request replaced at once) for `--probe-seconds`, so the ceiling has the task's own
 length mix but no tail and no interruption. Utilization is effective over the mean of the probes that
 bracket a part of the run.
 
@@ -35,11 +35,8 @@ from april_ray.config import Config
 from april_ray.data import dataset_paths, read_examples
 from april_ray.model import ensure_model, load_policy
 
-PROBE_SECONDS = 8.0
-
-
-def saturated_tok_s(engines: Engines, prompts: list[list[int]]) -> float:
-    results = ray.get([e.throughput_probe.remote(prompts, cap, PROBE_SECONDS)
+def saturated_tok_s(engines: Engines, prompts: list[list[int]], seconds: float) -> float:
+    results = ray.get([e.throughput_probe.remote(prompts, cap, seconds)
                        for e, cap in zip(engines.actors, engines.capacities)])
     return sum(t for t, _ in results) / max(s for _, s in results)
 
@@ -216,6 +213,7 @@ def main() -> None:
         p.add_argument("--warmup-steps", type=int, default=2)
         p.add_argument("--sweep-steps", type=int, default=6)
         p.add_argument("--probe-every", type=int, default=10, help="measure the ceiling every this many rounds")
+        p.add_argument("--probe-seconds", type=float, default=8.0, help="length of one ceiling measurement")
         p.add_argument("--out-dir", default="outputs/bench_rollout")
 
     cfg, args = parse(__doc__, extra)
@@ -229,10 +227,10 @@ def main() -> None:
     _, eval_path = dataset_paths(cfg.task, cfg.model.cache_dir)
     probe_prompts = [tok.encode(ex.prompt) for ex in read_examples(eval_path)]
 
-    saturated = [saturated_tok_s(engines, probe_prompts)]
+    saturated = [saturated_tok_s(engines, probe_prompts, args.probe_seconds)]
 
     def probe() -> float:
-        saturated.append(saturated_tok_s(engines, probe_prompts))
+        saturated.append(saturated_tok_s(engines, probe_prompts, args.probe_seconds))
         return saturated[-1]
 
     n = cfg.rollout.rollout_batch_size

@@ -1,0 +1,37 @@
+"""The rollout benchmark end to end on a small config: every mode, the sweep, the JSON keys and plots."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_rollout_runs_every_mode_and_the_sweep(tmp_path, random_model_dir):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "jobs.bench_rollout", "--json", str(out), "--steps", "2", "--warmup-steps", "1",
+           "--probe-every", "1", "--probe-seconds", "0.5", "--sweep", "--sweep-steps", "1",
+           "--out-dir", str(tmp_path / "plots"), f"model.path={random_model_dir}", f"model.cache_dir={tmp_path}",
+           "task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=4",
+           "rollout.over_sampling_batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=24",
+           "engine.max_model_len=64", "engine.max_num_seqs=16", "engine.park_slots=16"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    for mode in ("sync", "april", "april_recompute"):
+        assert r[mode]["effective_tok_s"] > 0 and r[mode]["steps"] == 2 and 0 < r[mode]["utilization"]
+        assert r[mode]["lost_samples"] == r[mode]["duplicated_samples"] == 0
+    assert r["april"]["engine_reused_kv_tokens"] > 0 == r["april_recompute"]["engine_reused_kv_tokens"]
+    assert r["speedup"] == pytest.approx(r["april"]["effective_tok_s"] / r["sync"]["effective_tok_s"])
+    assert r["lost_samples"] == r["duplicated_samples"] == 0
+    assert len(r["saturated_runs"]) == 3 + 5  # before, after round 1, after; then one per sweep point
+    assert set(r["sweep"]) == {"1", "1.5", "2", "3", "4"}
+    assert all({"utilization", "speedup", "off_policy_token_ratio", "max_staleness", "store_groups_mean"}
+               <= set(p) for p in r["sweep"].values())
+    assert all(Path(p).is_file() for p in r["plots"]) and len(r["plots"]) == 4
