@@ -111,3 +111,20 @@ def test_checkpoint_store_and_cursor_mid_run_restores_without_loss(local_ray, tm
     assert not before & set(after)
     still = {g.group_id for g in ray.get(fresh.store.state_dict.remote())["partial"]}
     assert waiting <= set(after) | still  # every stored prompt came back or still waits; none skipped
+
+
+def test_a_killed_engine_loses_no_sample(local_ray, tmp_path, model_dir, engines_of):
+    """An engine actor dies between steps, with partial groups of its own parked in the store: the
+    monitor's calls to it fail, those samples go to the surviving engine, and nothing is lost."""
+    cfg = small_cfg(tmp_path, "engine.park_slots=32", "engine.kv_reuse_max_staleness=100")
+    engines = engines_of(cfg, model_dir)
+    actors, _ = run_steps(cfg, model_dir, engines, 2)
+    stored = ray.get(actors.store.state_dict.remote())["partial"]
+    assert any(g.engine == 1 for g in stored), "some stored groups should have run on engine 1"
+    ray.kill(engines.actors[1])
+    engines.actors = engines.actors[:1]  # the test's own weight pushes go to the survivor only
+    actors, results = run_steps(cfg, model_dir, engines, 3, first_step=2, actors=actors)
+    assert ray.get(actors.monitor.counters.remote())["alive_engines"] == [True, False]
+    returned = {s.group_id for _, samples in results for s in samples}
+    still = {g.group_id for g in ray.get(actors.store.state_dict.remote())["partial"]}
+    assert {g.group_id for g in stored} <= returned | still
