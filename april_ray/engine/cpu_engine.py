@@ -75,10 +75,9 @@ class LLMEngine:
         if seq is None:
             return None
         if self.kv_reuse and seq.slot >= 0 and seq.num_tokens > 1:
-            tokens = seq.request.input_ids + seq.token_ids
-            park = self.parked.park(tuple(tokens), len(tokens) - 1, seq.kv_version)
+            park = self.parked.park(seq.request.input_ids + seq.token_ids, seq.kv_version)
             if park is not None:
-                self.runner.copy_slot(seq.slot, park, len(tokens) - 1)
+                self.runner.copy_slot(seq.slot, park, seq.num_tokens - 1)
         self._remove(seq)
         return seq.output(FinishReason.ABORT)
 
@@ -131,18 +130,19 @@ class LLMEngine:
         return finished
 
     def _prefill_cost(self, seq: Sequence) -> int:
-        hit = self.kv_reuse and self.parked.usable(tuple(seq.request.input_ids), self.version)
+        hit = self.kv_reuse and self.parked.usable(seq.request.input_ids, self.version)
         return 1 if hit else seq.num_tokens
 
     def _restore(self, seq: Sequence) -> bool:
         """Reattach a parked cache for this exact input; the sequence then joins this step's decode,
         which feeds its last token."""
-        entry = self.kv_reuse and self.parked.take(tuple(seq.request.input_ids), self.version)
+        entry = self.kv_reuse and self.parked.take(seq.request.input_ids, self.version)
         if not entry:
             return False
-        self.runner.copy_slot(entry.slot, seq.slot, entry.length)
+        cached = seq.num_tokens - 1
+        self.runner.copy_slot(entry.slot, seq.slot, cached)
         seq.kv_version = entry.version
-        self.num_reused_tokens += entry.length
+        self.num_reused_tokens += cached
         return True
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[GenerateOutput]:

@@ -103,8 +103,6 @@ class Scheduler:
 @dataclass
 class ParkedEntry:
     slot: int
-    length: int
-    """Cached positions: every token of the key but the last (which the next decode step feeds)."""
     version: int
     """Oldest weights version that computed this cache."""
 
@@ -114,9 +112,10 @@ class ParkedKV:
 
     APRIL resumes an interrupted sample by sending prompt + its tokens again; without this the engine
     recomputes that whole prefix. Entries are keyed by the exact token ids (the resumed request's input
-    is the aborted sequence's tokens, so a hit is an exact match), evicted oldest first when the spare
-    slots run out, and reusable while the weights are at most `max_staleness` versions newer than the
-    ones that computed them (0: only the very same weights, an exact prefix cache).
+    is the aborted sequence's tokens, so a hit is an exact match) and cache every position but the last
+    (which the next decode step feeds). They are evicted oldest first when the spare slots run out, and
+    reusable while the weights are at most `max_staleness` versions newer than the ones that computed
+    them (0: only the very same weights, an exact prefix cache).
     """
 
     def __init__(self, first_slot: int, num_slots: int, max_staleness: int):
@@ -127,8 +126,10 @@ class ParkedKV:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def park(self, key: tuple[int, ...], length: int, version: int) -> int | None:
-        """Reserve a slot for this cache (evicting the oldest entry if needed); None if parking is off."""
+    def park(self, tokens: list[int], version: int) -> int | None:
+        """Reserve a slot for this cache (evicting the oldest entry if needed); None if there are no
+        spare slots at all."""
+        key = tuple(tokens)
         if key in self.entries:
             self.free.append(self.entries.pop(key).slot)
         if not self.free and self.entries:
@@ -136,20 +137,20 @@ class ParkedKV:
         if not self.free:
             return None
         slot = self.free.pop()
-        self.entries[key] = ParkedEntry(slot, length, version)
+        self.entries[key] = ParkedEntry(slot, version)
         return slot
 
-    def usable(self, key: tuple[int, ...], version: int) -> ParkedEntry | None:
-        entry = self.entries.get(key)
-        if entry is None or version - entry.version > self.max_staleness or entry.length != len(key) - 1:
+    def usable(self, tokens: list[int], version: int) -> ParkedEntry | None:
+        if not self.entries:  # the common case, and always without spare slots: no key to build
             return None
-        return entry
+        entry = self.entries.get(tuple(tokens))
+        return entry if entry is not None and version - entry.version <= self.max_staleness else None
 
-    def take(self, key: tuple[int, ...], version: int) -> ParkedEntry | None:
+    def take(self, tokens: list[int], version: int) -> ParkedEntry | None:
         """The entry for this exact input, removed (its slot is free once the caller has copied it)."""
-        entry = self.usable(key, version)
+        entry = self.usable(tokens, version)
         if entry is not None:
-            del self.entries[key]
+            del self.entries[tuple(tokens)]
             self.free.append(entry.slot)
         return entry
 
