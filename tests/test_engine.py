@@ -295,3 +295,37 @@ def test_repeated_interruptions_with_parking_and_eviction_stay_exact(policy):
         assert done[rid] == hf_greedy(model, tok.encode(p), total), p
     stats = engine.stats()
     assert stats.num_reused_tokens > 0 and stats.num_prefill_tokens > sum(map(len, inputs.values()))
+
+
+def test_decode_segments_cover_rows_in_order_with_room_for_each():
+    from april_ray.engine.model_runner import decode_segments, fragmented, span_bucket
+
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        pos = torch.randint(0, 600, (int(torch.randint(1, 65, (1,), generator=rng)),), generator=rng).tolist()
+        segs = decode_segments(pos)
+        assert [a for a, _, _ in segs] == [0] + [e for _, e, _ in segs[:-1]] and segs[-1][1] == len(pos)
+        for a, e, span in segs:
+            assert span == max(pos[a:e]) + 1
+    # sorted longest first: one range per span class, never fragmented
+    pos = sorted([5, 70, 70, 130, 140, 300, 520, 9, 12, 40], reverse=True)
+    segs = decode_segments(pos)
+    assert len(segs) == len({span_bucket(p) for p in pos}) and not fragmented(pos, segs)
+    # one short row inside a long range joins it; long rows scattered among short ones fragment
+    assert decode_segments([300, 290, 10, 280]) == [(0, 4, 301)]
+    scattered = [10, 12, 11, 300, 9, 8, 7, 400, 13, 14, 15]
+    assert fragmented(scattered, decode_segments(scattered))
+
+
+def test_long_rows_scattered_among_short_ones_are_sorted_and_stay_exact(policy):
+    """Admission order puts two ~300-token inputs among short ones: the engine sorts the running batch
+    (and its cache rows) longest first, and every continuation is still exactly HF's greedy one."""
+    model, tok = policy
+    short = ["0052-3:", "12-1:", "7-1:"]
+    long_ = ["0321-1:" + " 0320" * 60, "0999-2:" + " 0997" * 70]
+    prompts = short + long_[:1] + short + long_[1:] + short
+    engine = LLMEngine(model, max_num_seqs=len(prompts), max_model_len=640)
+    outs = engine.generate(requests(tok, greedy(20), prompts))
+    assert engine.num_sorts >= 1
+    for p, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(model, tok.encode(p), 20), p

@@ -21,7 +21,7 @@ import time
 import torch
 
 from april_ray.batching import padded_chunks
-from april_ray.engine.model_runner import ModelRunner, sample
+from april_ray.engine.model_runner import ModelRunner, decode_segments, fragmented, sample
 from april_ray.engine.scheduler import ParkedKV, Scheduler, Sequence
 from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
 
@@ -46,6 +46,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
         self.num_reused_tokens = 0
+        self.num_sorts = 0
         self.busy_s = 0.0
         self.occupancy: list[tuple[float, int]] = []
 
@@ -123,11 +124,26 @@ class LLMEngine:
             finished += self._sample(chunk, logits)
         running = list(self.scheduler.running)
         if running:
-            logits = self.runner.decode([s.last_token for s in running], [s.num_tokens - 1 for s in running])
+            positions = [s.num_tokens - 1 for s in running]
+            segments = decode_segments(positions)
+            if fragmented(positions, segments):
+                running, positions, segments = self._sort_running(positions)
+            logits = self.runner.decode([s.last_token for s in running], positions, segments)
             finished += self._sample(running, logits)
         self.busy_s += time.perf_counter() - t0
         self.occupancy.append((time.time(), len(running)))
         return finished
+
+    def _sort_running(self, positions: list[int]):
+        """Longest first: the decode then attends in a few contiguous ranges (`decode_segments`). Rows
+        keep their order as they all grow by one token a step; new ones (fresh prompts, the shortest)
+        join at the end, so this runs mostly after resumed long sequences were admitted."""
+        order = sorted(range(len(positions)), key=lambda i: -positions[i])
+        self.runner.permute(order, max(positions))
+        self.scheduler.reorder(order)
+        self.num_sorts += 1
+        positions = [positions[i] for i in order]
+        return list(self.scheduler.running), positions, decode_segments(positions)
 
     def _prefill_cost(self, seq: Sequence) -> int:
         hit = self.kv_reuse and self.parked.usable(seq.request.input_ids, self.version)

@@ -16,6 +16,46 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+MIN_SPAN = 64
+
+
+def span_bucket(position: int) -> int:
+    """Power-of-two class of the span a row at `position` attends over (at least MIN_SPAN)."""
+    return (max(position + 1, MIN_SPAN) - 1).bit_length()
+
+
+def decode_segments(positions: list[int], straggler_rows: int = 2) -> list[tuple[int, int, int]]:
+    """Split the running batch, in slot order, into contiguous (start, end, span) row ranges of one span
+    class each, so that a few long sequences do not make every row attend over the longest context (on
+    a long tail that padding was most of the decode time), and no row is gathered out of the cache (on
+    this CPU a gathered copy of the rows cost more than their attention). A run of at most
+    `straggler_rows` shorter rows between two of one longer class joins them: padding a row costs less
+    than a call (a finished row's slot is refilled with the last row, often a short one).
+    The engine keeps the batch sorted longest first (`fragmented`), so there are few ranges."""
+    runs: list[list[int]] = []  # [start, end, bucket, max position]
+    for i, p in enumerate(positions):
+        bucket = span_bucket(p)
+        if runs and runs[-1][2] == bucket:
+            runs[-1][1], runs[-1][3] = i + 1, max(runs[-1][3], p)
+        else:
+            runs.append([i, i + 1, bucket, p])
+    merged: list[list[int]] = []
+    for i, run in enumerate(runs):
+        last = merged[-1] if merged else None
+        sandwiched = (last is not None and i + 1 < len(runs) and runs[i + 1][2] == last[2] > run[2]
+                      and run[1] - run[0] <= straggler_rows)
+        if last and (run[2] == last[2] or sandwiched):
+            last[1], last[3] = run[1], max(last[3], run[3])
+        else:
+            merged.append(run)
+    return [(a, e, m + 1) for a, e, _, m in merged]
+
+
+def fragmented(positions: list[int], segments: list[tuple[int, int, int]], slack: int = 2) -> bool:
+    """More ranges than span classes (plus `slack`): long rows sit among short ones, sorting pays."""
+    return len(segments) > len({span_bucket(p) for p in positions}) + slack
+
+
 class ModelRunner:
     def __init__(self, model, num_slots: int, max_model_len: int):
         """`num_slots`: the running batch's slots first, then any slots that park aborted sequences."""
@@ -82,13 +122,20 @@ class ModelRunner:
         return self._logits(last)
 
     @torch.inference_mode()
-    def decode(self, last_tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One token for each running sequence; sequence i lives in slot i. Returns logits [B, V]."""
+    def decode(self, last_tokens: list[int], positions: list[int],
+               segments: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+        """One token for each running sequence; sequence i lives in slot i. Returns logits [B, V].
+
+        `segments` (default: `decode_segments(positions)`) are the contiguous row ranges that attend
+        together, each over its own span: a slice of the cache, never a gathered copy."""
         b = len(last_tokens)
+        segments = segments or decode_segments(positions)
         pos = torch.tensor(positions)
         rows = torch.arange(b)
         cos, sin = self.cos[pos][:, None, None, :], self.sin[pos][:, None, None, :]
-        buckets = self._span_buckets(pos)
+        # Additive masks, built once a step (a boolean one is converted inside every attention call).
+        masks = [torch.zeros(e - a, 1, 1, span).masked_fill_(torch.arange(span) > pos[a:e, None, None, None], float("-inf"))
+                 .to(self.k_cache.dtype) for a, e, span in segments]
 
         def attend(layer_idx):
             def fn(attn, h):
@@ -96,14 +143,13 @@ class ModelRunner:
                 kc, vc = self.k_cache[layer_idx], self.v_cache[layer_idx]
                 kc[rows, :, pos] = k[:, :, 0]
                 vc[rows, :, pos] = v[:, :, 0]
-                if len(buckets) == 1:
-                    _, span, mask = buckets[0]
-                    return F.scaled_dot_product_attention(
-                        q, kc[:b, :, :span], vc[:b, :, :span], attn_mask=mask, enable_gqa=True)
+                if len(segments) == 1:
+                    return F.scaled_dot_product_attention(q, kc[:b, :, :segments[0][2]], vc[:b, :, :segments[0][2]],
+                                                          attn_mask=masks[0], enable_gqa=True)
                 out = torch.empty_like(q)
-                for idx, span, mask in buckets:
-                    out[idx] = F.scaled_dot_product_attention(
-                        q[idx], kc[idx, :, :span], vc[idx, :, :span], attn_mask=mask, enable_gqa=True)
+                for (a, e, span), mask in zip(segments, masks):
+                    out[a:e] = F.scaled_dot_product_attention(
+                        q[a:e], kc[a:e, :, :span], vc[a:e, :, :span], attn_mask=mask, enable_gqa=True)
                 return out
             return fn
 
@@ -112,23 +158,12 @@ class ModelRunner:
             x = self._block(layer, x, attend(i))
         return self._logits(x[:, 0])
 
-    @staticmethod
-    def _span_buckets(pos: torch.Tensor, min_span: int = 64):
-        """Group sequences by power-of-two span, so a few long ones don't make every row attend over
-        the longest context (on a long tail that padding was most of the decode time)."""
-        span_of = torch.clamp(pos + 1, min=min_span)
-        bucket = torch.ceil(torch.log2(span_of.float())).long()
-        keys = torch.unique(bucket)
-        if len(keys) == 1:
-            span = int(pos.max()) + 1
-            return [(None, span, (torch.arange(span)[None, :] <= pos[:, None])[:, None, None, :])]
-        out = []
-        for key in keys.tolist():
-            idx = (bucket == key).nonzero()[:, 0]
-            p = pos[idx]
-            span = int(p.max()) + 1
-            out.append((idx, span, (torch.arange(span)[None, :] <= p[:, None])[:, None, None, :]))
-        return out
+    def permute(self, order: list[int], length: int) -> None:
+        """Rows 0..n-1 of the cache become the old rows `order` (their first `length` positions)."""
+        idx = torch.tensor(order)
+        n = len(order)
+        self.k_cache[:, :n, :, :length] = self.k_cache[:, idx, :, :length]
+        self.v_cache[:, :n, :, :length] = self.v_cache[:, idx, :, :length]
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of one slot into another (park, restore, repack)."""

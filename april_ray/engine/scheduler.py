@@ -94,6 +94,13 @@ class Scheduler:
         seq.slot = -1
         return move
 
+    def reorder(self, order: list[int]) -> None:
+        """The running batch becomes the old running[order] (the runner permutes the cache to match)."""
+        assert sorted(order) == list(range(len(self.running))), "reorder needs a permutation of the running batch"
+        self.running = [self.running[i] for i in order]
+        for slot, seq in enumerate(self.running):
+            seq.slot = slot
+
     def find(self, request_id: str) -> Sequence | None:
         if request_id not in self.ids:
             return None
