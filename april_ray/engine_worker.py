@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
+import time
 from collections import deque
 
 from april_ray.types import GenerateRequest, Sample, SampleMeta, SampleState, SamplingParams
@@ -52,26 +54,35 @@ class EngineWorker:
         results = await asyncio.gather(*[self.generate(s, step) for s in samples])
         return [m for m, _ in results], [s for _, s in results]
 
-    async def throughput_probe(self, prompts: list[list[int]], concurrency: int, seconds: float) -> tuple[int, float]:
-        """Saturated throughput on this workload: keep `concurrency` requests running for `seconds`,
-        replacing each finished one at once with the next prompt (real stop token and budget)."""
-        import itertools
-        import time
-
+    async def throughput_probe(self, prompts: list[list[int]], concurrency: int, seconds: float,
+                               warmup_s: float = 1.0) -> tuple[int, float]:
+        """Saturated throughput on this workload: (tokens, seconds) decoded while `concurrency` requests
+        are kept running, each finished one replaced at once by the next prompt (real stop token and
+        budget). Counted over `seconds` after `warmup_s` (the lanes start in lockstep); the requests still
+        running then are aborted without parking, so the probe has no draining tail of its own and leaves
+        the parked caches alone."""
         counter = itertools.count()
-        t_end = time.perf_counter() + seconds
+        running: set[str] = set()
+        stop = False
 
-        async def lane() -> int:
-            tokens = 0
-            while time.perf_counter() < t_end:
+        async def lane() -> None:
+            while not stop:
                 i = next(counter)
-                out = await self.engine.generate(GenerateRequest(f"probe-{i}", prompts[i % len(prompts)], self.sampling))
-                tokens += out.num_tokens
-            return tokens
+                rid = f"probe-{i}"
+                running.add(rid)
+                await self.engine.generate(GenerateRequest(rid, prompts[i % len(prompts)], self.sampling))
+                running.discard(rid)
 
-        t0 = time.perf_counter()
-        total = sum(await asyncio.gather(*[lane() for _ in range(concurrency)]))
-        return total, time.perf_counter() - t0
+        lanes = [asyncio.ensure_future(lane()) for _ in range(concurrency)]
+        await asyncio.sleep(warmup_s)
+        n0, t0 = self.engine.stats(drain=False).num_generated_tokens, time.perf_counter()
+        await asyncio.sleep(seconds)
+        tokens, dt = self.engine.stats(drain=False).num_generated_tokens - n0, time.perf_counter() - t0
+        stop = True
+        for rid in list(running):
+            self.engine.abort(rid, park=False)
+        await asyncio.gather(*lanes)
+        return tokens, dt
 
     async def evaluate(self, items: list[tuple[str, list[int], str]], temperature: float, tag: str) -> list[float]:
         """Reward of one response per (prompt, prompt_ids, answer) at `temperature` (0: greedy)."""

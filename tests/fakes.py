@@ -55,7 +55,7 @@ class FakeEngine:
         if not fut.done():
             fut.set_result(GenerateOutput(rid, list(toks), [-0.5] * len(toks), [self.version] * len(toks), reason))
 
-    def abort(self, rid):
+    def abort(self, rid, park=True):
         if rid in self.running:
             self._finish(rid, FinishReason.ABORT)
             return True

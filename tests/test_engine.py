@@ -329,3 +329,22 @@ def test_long_rows_scattered_among_short_ones_are_sorted_and_stay_exact(policy):
     assert engine.num_sorts >= 1
     for p, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(model, tok.encode(p), 20), p
+
+
+def test_throughput_probe_counts_its_window_and_leaves_nothing_behind(policy):
+    """The ceiling probe counts the tokens decoded in its window only (no draining tail of its own), ends
+    with no request left in the engine, and does not touch the caches parked for real samples."""
+    from april_ray.engine_worker import EngineWorker
+
+    model, tok = policy
+    core = LLMEngine(model, max_num_seqs=4, max_model_len=256, num_park_slots=4, kv_reuse_max_staleness=1)
+    _abort_after(core, requests(tok, greedy(100), PROMPTS[:1]), 3)
+    assert core.stats().num_parked == 1
+    worker = EngineWorker(AsyncEngine(core), tok.decode, lambda *a: 0.0, SamplingParams(max_new_tokens=200))
+    prompts = [tok.encode(p) for p in PROMPTS]
+    before = core.stats().num_generated_tokens
+    tokens, seconds = asyncio.run(worker.throughput_probe(prompts, 4, 0.3, warmup_s=0.1))
+    stats = core.stats()
+    assert 0 < tokens < stats.num_generated_tokens - before  # warm-up tokens and the aborted ones' last are not counted
+    assert 0.3 <= seconds < 1.0
+    assert not core.has_work() and stats.num_parked == 1

@@ -33,8 +33,8 @@ class AsyncEngine:
             self.abort(request.request_id)
             raise
 
-    def abort(self, request_id: str) -> bool:
-        out = self.engine.abort(request_id)
+    def abort(self, request_id: str, park: bool = True) -> bool:
+        out = self.engine.abort(request_id, park)
         if out is not None:
             self._resolve(out)
         return out is not None

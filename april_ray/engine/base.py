@@ -10,8 +10,8 @@ class Engine(Protocol):
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """Generate until stop, budget or abort; an aborted request returns its partial tokens."""
 
-    def abort(self, request_id: str) -> bool:
-        """Abort one request; True if it was known. Idempotent."""
+    def abort(self, request_id: str, park: bool = True) -> bool:
+        """Abort one request; True if it was known. Idempotent. `park=False`: never keep its KV cache."""
 
     def abort_all(self) -> int:
         """Abort every request; returns how many were aborted. Idempotent."""

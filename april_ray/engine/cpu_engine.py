@@ -70,12 +70,13 @@ class LLMEngine:
         budget = min(sp.max_new_tokens, self.max_model_len - len(ids))
         self.scheduler.add(Sequence(request, budget))
 
-    def abort(self, request_id: str) -> GenerateOutput | None:
-        """Stop one request now; its tokens so far come back with finish_reason ABORT. None if unknown."""
+    def abort(self, request_id: str, park: bool = True) -> GenerateOutput | None:
+        """Stop one request now; its tokens so far come back with finish_reason ABORT. None if unknown.
+        `park=False` drops its KV cache even when parking is on."""
         seq = self.scheduler.find(request_id)
         if seq is None:
             return None
-        if self.kv_reuse and seq.slot >= 0 and seq.num_tokens > 1:
+        if park and self.kv_reuse and seq.slot >= 0 and seq.num_tokens > 1:
             park = self.parked.park(seq.request.input_ids + seq.token_ids, seq.kv_version)
             if park is not None:
                 self.runner.copy_slot(seq.slot, park, seq.num_tokens - 1)
