@@ -298,7 +298,7 @@ def test_repeated_interruptions_with_parking_and_eviction_stay_exact(policy):
 
 
 def test_decode_segments_cover_rows_in_order_with_room_for_each():
-    from april_ray.engine.model_runner import decode_segments, fragmented, span_bucket
+    from april_ray.engine.model_runner import decode_segments, fragmented, grouping_order, span_bucket
 
     rng = torch.Generator().manual_seed(0)
     for _ in range(200):
@@ -307,7 +307,7 @@ def test_decode_segments_cover_rows_in_order_with_room_for_each():
         assert [a for a, _, _ in segs] == [0] + [e for _, e, _ in segs[:-1]] and segs[-1][1] == len(pos)
         for a, e, span in segs:
             assert span == max(pos[a:e]) + 1
-    # sorted longest first: one range per span class, never fragmented
+    # longest first: one range per span class, never fragmented
     pos = sorted([5, 70, 70, 130, 140, 300, 520, 9, 12, 40], reverse=True)
     segs = decode_segments(pos)
     assert len(segs) == len({span_bucket(p) for p in pos}) and not fragmented(pos, segs)
@@ -315,18 +315,29 @@ def test_decode_segments_cover_rows_in_order_with_room_for_each():
     assert decode_segments([300, 290, 10, 280]) == [(0, 4, 301)]
     scattered = [10, 12, 11, 300, 9, 8, 7, 400, 13, 14, 15]
     assert fragmented(scattered, decode_segments(scattered))
+    # regrouping moves only the strays, and leaves one range per span class
+    order = grouping_order(scattered)
+    assert sorted(order) == list(range(len(scattered)))
+    assert sum(o != i for i, o in enumerate(order)) == 4  # 300 and 400 swap with the two rows at the front
+    regrouped = [scattered[i] for i in order]
+    assert len(decode_segments(regrouped)) == 2 and not fragmented(regrouped, decode_segments(regrouped))
+    for _ in range(100):
+        pos = torch.randint(0, 600, (40,), generator=rng).tolist()
+        regrouped = [pos[i] for i in grouping_order(pos)]
+        assert sorted(regrouped) == sorted(pos)
+        assert len(decode_segments(regrouped, straggler_rows=0)) == len({span_bucket(p) for p in pos})
 
 
 def test_long_rows_scattered_among_short_ones_are_sorted_and_stay_exact(policy):
-    """Admission order puts two ~300-token inputs among short ones: the engine sorts the running batch
-    (and its cache rows) longest first, and every continuation is still exactly HF's greedy one."""
+    """Admission order puts two ~300-token inputs among short ones: the engine regroups the running batch
+    (and its cache rows) by span class, and every continuation is still exactly HF's greedy one."""
     model, tok = policy
     short = ["0052-3:", "12-1:", "7-1:"]
     long_ = ["0321-1:" + " 0320" * 60, "0999-2:" + " 0997" * 70]
     prompts = short + long_[:1] + short + long_[1:] + short
     engine = LLMEngine(model, max_num_seqs=len(prompts), max_model_len=640)
     outs = engine.generate(requests(tok, greedy(20), prompts))
-    assert engine.num_sorts >= 1
+    assert engine.num_regroups >= 1
     for p, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(model, tok.encode(p), 20), p
 

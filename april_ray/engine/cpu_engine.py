@@ -21,7 +21,7 @@ import time
 import torch
 
 from april_ray.batching import padded_chunks
-from april_ray.engine.model_runner import ModelRunner, decode_segments, fragmented, sample
+from april_ray.engine.model_runner import ModelRunner, decode_segments, fragmented, grouping_order, sample
 from april_ray.engine.scheduler import ParkedKV, Scheduler, Sequence
 from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
 
@@ -46,7 +46,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
         self.num_reused_tokens = 0
-        self.num_sorts = 0
+        self.num_regroups = 0
         self.busy_s = 0.0
         self.occupancy: list[tuple[float, int]] = []
 
@@ -128,21 +128,23 @@ class LLMEngine:
             positions = [s.num_tokens - 1 for s in running]
             segments = decode_segments(positions)
             if fragmented(positions, segments):
-                running, positions, segments = self._sort_running(positions)
+                running, positions, segments = self._regroup_running(positions)
             logits = self.runner.decode([s.last_token for s in running], positions, segments)
             finished += self._sample(running, logits)
         self.busy_s += time.perf_counter() - t0
         self.occupancy.append((time.time(), len(running)))
         return finished
 
-    def _sort_running(self, positions: list[int]):
-        """Longest first: the decode then attends in a few contiguous ranges (`decode_segments`). Rows
-        keep their order as they all grow by one token a step; new ones (fresh prompts, the shortest)
-        join at the end, so this runs mostly after resumed long sequences were admitted."""
-        order = sorted(range(len(positions)), key=lambda i: -positions[i])
-        self.runner.permute(order, max(positions))
+    def _regroup_running(self, positions: list[int]):
+        """One contiguous range of rows per span class (`grouping_order`), so the decode attends in a few
+        slices of the cache. Rows keep their places as they all grow by a token a step, and fresh prompts
+        join at the end in the shortest class; resumed long sequences admitted among short ones, and
+        short ones moved into a finished row's slot, fragment the batch."""
+        order = grouping_order(positions)
+        moved = [i for i, o in enumerate(order) if o != i]
+        self.runner.move_rows([order[i] for i in moved], moved, max(positions[order[i]] for i in moved))
         self.scheduler.reorder(order)
-        self.num_sorts += 1
+        self.num_regroups += 1
         positions = [positions[i] for i in order]
         return list(self.scheduler.running), positions, decode_segments(positions)
 

@@ -31,7 +31,8 @@ def decode_segments(positions: list[int], straggler_rows: int = 2) -> list[tuple
     this CPU a gathered copy of the rows cost more than their attention). A run of at most
     `straggler_rows` shorter rows between two of one longer class joins them: padding a row costs less
     than a call (a finished row's slot is refilled with the last row, often a short one).
-    The engine keeps the batch sorted longest first (`fragmented`), so there are few ranges."""
+    The engine regroups the batch by span class when it fragments (`fragmented`, `grouping_order`),
+    so there are few ranges."""
     runs: list[list[int]] = []  # [start, end, bucket, max position]
     for i, p in enumerate(positions):
         bucket = span_bucket(p)
@@ -52,8 +53,26 @@ def decode_segments(positions: list[int], straggler_rows: int = 2) -> list[tuple
 
 
 def fragmented(positions: list[int], segments: list[tuple[int, int, int]], slack: int = 2) -> bool:
-    """More ranges than span classes (plus `slack`): long rows sit among short ones, sorting pays."""
+    """More ranges than span classes (plus `slack`): long rows sit among short ones, regrouping pays."""
     return len(segments) > len({span_bucket(p) for p in positions}) + slack
+
+
+def grouping_order(positions: list[int]) -> list[int]:
+    """A permutation of the rows (new row i = old row order[i]) after which each span class is one
+    contiguous range, longest class first, moving as few rows as possible: a row already inside its
+    class's range stays, and each misplaced row takes a slot in its range that holds another class."""
+    buckets = [span_bucket(p) for p in positions]
+    ranges, start = {}, 0
+    for b in sorted(set(buckets), reverse=True):
+        n = buckets.count(b)
+        ranges[b], start = (start, start + n), start + n
+    order = list(range(len(positions)))
+    for b, (a, e) in ranges.items():
+        holes = [i for i in range(a, e) if buckets[i] != b]
+        strays = [i for i, bi in enumerate(buckets) if bi == b and not a <= i < e]
+        for dst, src in zip(holes, strays):
+            order[dst] = src
+    return order
 
 
 class ModelRunner:
@@ -158,12 +177,12 @@ class ModelRunner:
             x = self._block(layer, x, attend(i))
         return self._logits(x[:, 0])
 
-    def permute(self, order: list[int], length: int) -> None:
-        """Rows 0..n-1 of the cache become the old rows `order` (their first `length` positions)."""
-        idx = torch.tensor(order)
-        n = len(order)
-        self.k_cache[:, :n, :, :length] = self.k_cache[:, idx, :, :length]
-        self.v_cache[:, :n, :, :length] = self.v_cache[:, idx, :, :length]
+    def move_rows(self, src: list[int], dst: list[int], length: int) -> None:
+        """Row dst[i] of the cache becomes the old row src[i] (its first `length` positions); the rows are
+        read before any is written, so src and dst may overlap (a permutation of some rows)."""
+        s, d = torch.tensor(src), torch.tensor(dst)
+        self.k_cache[:, d, :, :length] = self.k_cache[:, s, :, :length]
+        self.v_cache[:, d, :, :length] = self.v_cache[:, s, :, :length]
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of one slot into another (park, restore, repack)."""

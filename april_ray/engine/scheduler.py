@@ -95,7 +95,7 @@ class Scheduler:
         return move
 
     def reorder(self, order: list[int]) -> None:
-        """The running batch becomes the old running[order] (the runner permutes the cache to match)."""
+        """The running batch becomes the old running[order] (the runner moves the cache rows to match)."""
         assert sorted(order) == list(range(len(self.running))), "reorder needs a permutation of the running batch"
         self.running = [self.running[i] for i in order]
         for slot, seq in enumerate(self.running):
