@@ -1,12 +1,16 @@
 """Engine speed: saturated decode throughput vs `model.generate`, and throughput by concurrency.
 
-    python -m jobs.bench_engine --json PATH [--threads N] [key=value ...]
+    python -m jobs.bench_engine --json PATH [--threads N] [--task-seconds S] [key=value ...]
 
 Both sides sample 128 new tokens for each of the same 64 prompts (temperature 1, no stop token), with
 the same torch thread count, interleaved over `--repeats` rounds; the median of each is reported.
+`task_mix_tok_s` is the engine on the task's own length mix instead: `engine.max_num_seqs` requests
+always running, each finished one replaced at once (real stop token and response budget), counted over
+`--task-seconds` after a warm-up (the rollout benchmark's ceiling, without Ray).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -31,6 +35,26 @@ def engine_tok_s(model, prompts: list[list[int]], concurrency: int, max_model_le
     t0 = time.perf_counter()
     outs = engine.generate(reqs)
     return sum(o.num_tokens for o in outs) / (time.perf_counter() - t0)
+
+
+def task_mix_tok_s(model, prompts: list[list[int]], sampling: SamplingParams, concurrency: int,
+                   max_model_len: int, seconds: float, warmup_s: float = 1.0) -> float:
+    engine = LLMEngine(model, max_num_seqs=concurrency, max_model_len=max_model_len)
+    ids = itertools.count()
+
+    def add() -> None:
+        i = next(ids)
+        engine.add_request(GenerateRequest(f"m{i}", prompts[i % len(prompts)], sampling))
+
+    for _ in range(concurrency):
+        add()
+    start, t0, n0 = time.perf_counter(), None, 0
+    while t0 is None or time.perf_counter() - t0 < seconds:
+        if t0 is None and time.perf_counter() - start >= warmup_s:
+            t0, n0 = time.perf_counter(), engine.num_generated_tokens
+        for _ in engine.step():
+            add()
+    return (engine.num_generated_tokens - n0) / (time.perf_counter() - t0)
 
 
 def hf_generate_tok_s(model, tok, prompts: list[list[int]]) -> float:
@@ -61,6 +85,7 @@ def main() -> None:
         p.add_argument("--json", required=True, help="where to write the figures")
         p.add_argument("--threads", type=int, default=None, help="torch threads (default: engine.num_threads)")
         p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--task-seconds", type=float, default=5.0, help="length of one task-mix measurement")
 
     cfg, args = parse(__doc__, extra)
     threads = args.threads or cfg.engine.num_threads
@@ -71,10 +96,14 @@ def main() -> None:
     prompts = [pool[i % len(pool)] for i in range(max(CURVE))]
     max_len = max(map(len, prompts)) + NEW_TOKENS + 1
 
-    engine_runs, hf_runs = [], []
+    task_sampling = SamplingParams(temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_response_len,
+                                   stop_token_ids=(tok.eos_token_id,))
+    task_len = max(map(len, pool)) + cfg.rollout.max_response_len + 1
+    engine_runs, hf_runs, task_runs = [], [], []
     for _ in range(args.repeats):
         engine_runs.append(engine_tok_s(model, prompts[:BATCH], BATCH, max_len))
         hf_runs.append(hf_generate_tok_s(model, tok, prompts[:BATCH]))
+        task_runs.append(task_mix_tok_s(model, pool, task_sampling, cfg.engine.max_num_seqs, task_len, args.task_seconds))
     try:
         hf_cb = round(hf_continuous_batching_tok_s(model, tok, prompts[:BATCH]), 1)
     except Exception as e:  # recorded, not hidden: the comparison is part of the engine choice
@@ -84,9 +113,12 @@ def main() -> None:
     result = {
         "engine_tok_s": round(engine_med, 1), "hf_generate_tok_s": round(hf_med, 1),
         "ratio": round(engine_med / hf_med, 3), "curve": curve,
+        "task_mix_tok_s": round(statistics.median(task_runs), 1), "task_mix_runs": [round(x, 1) for x in task_runs],
         "hf_continuous_batching_tok_s": hf_cb,
         "engine_runs": [round(x, 1) for x in engine_runs], "hf_generate_runs": [round(x, 1) for x in hf_runs],
         "setup": {"batch": BATCH, "new_tokens": NEW_TOKENS, "threads": threads,
+                  "task_mix": {"concurrency": cfg.engine.max_num_seqs, "max_new_tokens": cfg.rollout.max_response_len,
+                               "seconds": args.task_seconds},
                   "params": sum(p.numel() for p in model.parameters())},
     }
     print(json.dumps(result, indent=2))
