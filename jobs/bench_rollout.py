@@ -97,6 +97,9 @@ class Mode:
             "off_policy_token_ratio": off / max(1, trained),
             "max_staleness": max(r["rollout/staleness_max"] for r in rows),
             "store_groups_mean": float(np.mean([r["store_groups"] for r in rows])),
+            "running_rows_mean": float(np.mean([n for step in self.occupancy for eng in step for _, n in eng] or [0])),
+            "boundary_ms": {part: float(np.mean([r[f"rollout/{key}"] for r in rows]) * 1000)
+                            for part, key in (("start", "start_s"), ("abort", "abort_latency_s"), ("store", "store_s"))},
             "wall_s": self.wall, "steps": len(rows), "trained_tokens": trained, **self.counters,
             "lost_samples": (taken - counters["returned_groups"] - counters["dropped_groups"] - stored)
             * self.cfg.rollout.n_samples_per_prompt,
@@ -185,7 +188,7 @@ def sweep(cfg: Config, model_path, engines: Engines, weights_ref, steps: int, wa
     once); its speedup is over that baseline, its utilization over the probes before and after it."""
     n = cfg.rollout.rollout_batch_size
     keys = ("effective_tok_s", "off_policy_token_ratio", "max_staleness", "store_groups_mean",
-            "abort_latency_ms_p99", "lost_samples", "duplicated_samples")
+            "abort_latency_ms_p99", "lost_samples", "duplicated_samples", "running_rows_mean", "boundary_ms")
     out = {}
     for ratio in (1, 1.5, 2, 3, 4):
         modes = [Mode("sync", with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n), model_path,
