@@ -143,6 +143,7 @@ class Rollout:
         self.dropped: dict[str, str] = {}
         self.generated_tokens = 0
         self.num_fresh = self.num_resumed = 0
+        self.store_empty = False
 
     def _in_flight_target(self) -> int:
         n, incomplete = self.cfg.rollout_batch_size, self._num_incomplete()
@@ -164,7 +165,10 @@ class Rollout:
                 f"step {self.step_id}: the dynamic filter dropped {len(self.dropped)} groups (all rewards equal) "
                 f"and only {len(self.completed)} of {self.cfg.rollout_batch_size} were kept; the task is too easy "
                 f"or too hard for the policy (raise rollout.max_filtered_groups or disable rollout.dynamic_filter)")
-        groups = await self.store.take_partial(need, self.version)
+        # Only this monitor writes to the store, and only at the end of a step: once it has come back
+        # short, it stays empty for the rest of the step, and each top-up is one call (to the source).
+        groups = [] if self.store_empty else await self.store.take_partial(need, self.version)
+        self.store_empty = len(groups) < need
         self.num_resumed += len(groups)
         fresh = await self.source.take(need - len(groups), self.step_id) if need > len(groups) else []
         self.num_fresh += len(fresh)

@@ -247,3 +247,21 @@ def test_resumed_groups_go_back_to_the_engine_that_ran_them():
         return checked
 
     assert asyncio.run(main()) > 0
+
+
+def test_a_store_found_empty_is_not_asked_again_in_the_same_step():
+    """Top-ups after every completed group ask the store only until it comes back short (the monitor is
+    its only writer, and writes at the end of a step); the next step asks again, and gets its groups."""
+    c = cfg()
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=3)
+    calls = []
+    take = store.take_partial
+    store.take_partial = lambda n, v: calls.append(n) or take(n, v)
+    seen = set()
+    for step in range(4):
+        calls.clear()
+        result = asyncio.run(rollout.step(step, step))
+        check_invariants(result, rollout, source, store, c, seen)
+        resumed = result.metrics["rollout/groups_resumed"]
+        assert len(calls) == 1, calls  # the first top-up empties it (it holds fewer than N' groups)
+        assert step == 0 or resumed > 0
