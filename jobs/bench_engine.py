@@ -38,7 +38,8 @@ def engine_tok_s(model, prompts: list[list[int]], concurrency: int, max_model_le
 
 
 def task_mix_tok_s(model, prompts: list[list[int]], sampling: SamplingParams, concurrency: int,
-                   max_model_len: int, seconds: float, warmup_s: float = 1.0) -> float:
+                   max_model_len: int, seconds: float, warmup_s: float = 1.0) -> tuple[float, float]:
+    """(tokens/s, mean running rows per step) over `seconds` after `warmup_s`."""
     engine = LLMEngine(model, max_num_seqs=concurrency, max_model_len=max_model_len)
     ids = itertools.count()
 
@@ -48,13 +49,14 @@ def task_mix_tok_s(model, prompts: list[list[int]], sampling: SamplingParams, co
 
     for _ in range(concurrency):
         add()
-    start, t0, n0 = time.perf_counter(), None, 0
+    start, t0, n0, k0 = time.perf_counter(), None, 0, 0
     while t0 is None or time.perf_counter() - t0 < seconds:
         if t0 is None and time.perf_counter() - start >= warmup_s:
-            t0, n0 = time.perf_counter(), engine.num_generated_tokens
+            t0, n0, k0 = time.perf_counter(), engine.num_generated_tokens, len(engine.occupancy)
         for _ in engine.step():
             add()
-    return (engine.num_generated_tokens - n0) / (time.perf_counter() - t0)
+    rows = [n for _, n in engine.occupancy[k0:]]
+    return (engine.num_generated_tokens - n0) / (time.perf_counter() - t0), sum(rows) / max(1, len(rows))
 
 
 def hf_generate_tok_s(model, tok, prompts: list[list[int]]) -> float:
@@ -103,7 +105,8 @@ def main() -> None:
     for _ in range(args.repeats):
         engine_runs.append(engine_tok_s(model, prompts[:BATCH], BATCH, max_len))
         hf_runs.append(hf_generate_tok_s(model, tok, prompts[:BATCH]))
-        task_runs.append(task_mix_tok_s(model, pool, task_sampling, cfg.engine.max_num_seqs, task_len, args.task_seconds))
+        task_runs.append(task_mix_tok_s(model, pool, task_sampling, cfg.engine.max_num_seqs, task_len,
+                                        args.task_seconds)[0])
     try:
         hf_cb = round(hf_continuous_batching_tok_s(model, tok, prompts[:BATCH]), 1)
     except Exception as e:  # recorded, not hidden: the comparison is part of the engine choice

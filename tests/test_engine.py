@@ -359,3 +359,14 @@ def test_throughput_probe_counts_its_window_and_leaves_nothing_behind(policy):
     assert 0 < tokens < stats.num_generated_tokens - before  # warm-up tokens and the aborted ones' last are not counted
     assert 0.3 <= seconds < 1.0
     assert not core.has_work() and stats.num_parked == 1
+
+
+def test_bench_engine_task_mix_keeps_the_engine_saturated(policy):
+    """The engine benchmark's task-mix figure: every slot refilled at once, counted after the warm-up."""
+    from jobs.bench_engine import task_mix_tok_s
+
+    model, tok = policy
+    prompts = [tok.encode(p) for p in PROMPTS]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tok.eos_token_id,))
+    tok_s, rows = task_mix_tok_s(model, prompts, sp, concurrency=8, max_model_len=160, seconds=0.3, warmup_s=0.1)
+    assert tok_s > 0 and rows > 0.9 * 8  # a prompt finishing at its first token leaves a slot free for one step
