@@ -142,7 +142,8 @@ class LLMEngine:
         short ones moved into a finished row's slot, fragment the batch."""
         order = grouping_order(positions)
         moved = [i for i, o in enumerate(order) if o != i]
-        self.runner.move_rows([order[i] for i in moved], moved, max(positions[order[i]] for i in moved))
+        if moved:  # always, when fragmented: some class is split, so some row is outside its range
+            self.runner.move_rows([order[i] for i in moved], moved, max(positions[order[i]] for i in moved))
         self.scheduler.reorder(order)
         self.num_regroups += 1
         positions = [positions[i] for i in order]
