@@ -77,9 +77,9 @@ class LLMEngine:
         if seq is None:
             return None
         if park and self.kv_reuse and seq.slot >= 0 and seq.num_tokens > 1:
-            park = self.parked.park(seq.request.input_ids + seq.token_ids, seq.kv_version)
-            if park is not None:
-                self.runner.copy_slot(seq.slot, park, seq.num_tokens - 1)
+            slot = self.parked.park(seq.request.input_ids + seq.token_ids, seq.kv_version)
+            if slot is not None:
+                self.runner.copy_slot(seq.slot, slot, seq.num_tokens - 1)
         self._remove(seq)
         return seq.output(FinishReason.ABORT)
 
