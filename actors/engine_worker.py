@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ray
 
+from actors.samples import fetch_async
 from april_ray.config import EngineConfig, RolloutConfig
 from april_ray.engine_worker import EngineWorker
 from april_ray.types import SamplingParams
@@ -33,8 +34,9 @@ class EngineWorkerActor:
         """Call with `.options(num_returns=2)`: the metas (for the monitor), then the list of samples
         (for their consumer; see actors/samples.py).
 
-        Samples are positional arguments so that Ray resolves any object refs among them."""
-        return await self.worker.generate_group(list(samples), step)
+        Samples are values, object refs (positional, so Ray resolves them), or `SampleRef`s to an earlier
+        call's result: a sample interrupted by someone else's abort is re-sent by its handle."""
+        return await self.worker.generate_group(await fetch_async(samples), step)
 
     async def throughput_probe(self, prompts: list[list[int]], concurrency: int, seconds: float):
         return await self.worker.throughput_probe(prompts, concurrency, seconds)

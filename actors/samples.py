@@ -8,6 +8,7 @@ its own groups.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import ray
@@ -20,13 +21,28 @@ class SampleRef:
     index: int
 
 
-def fetch(handles: list) -> list:
-    """Values of `handles` (SampleRef, ObjectRef of one sample, or a value), with one batched `ray.get`."""
-    refs = list(dict.fromkeys(h.ref if isinstance(h, SampleRef) else h for h in handles
+def _refs(handles) -> list:
+    return list(dict.fromkeys(h.ref if isinstance(h, SampleRef) else h for h in handles
                               if isinstance(h, (SampleRef, ray.ObjectRef))))
-    values = dict(zip(refs, ray.get(refs)))
+
+
+def _pick(values: dict, handles) -> list:
     return [values[h.ref][h.index] if isinstance(h, SampleRef) else values[h] if isinstance(h, ray.ObjectRef) else h
             for h in handles]
+
+
+def fetch(handles: list) -> list:
+    """Values of `handles` (SampleRef, ObjectRef of one sample, or a value), with one batched `ray.get`."""
+    refs = _refs(handles)
+    return _pick(dict(zip(refs, ray.get(refs))), handles)
+
+
+async def fetch_async(handles) -> list:
+    """`fetch` inside an async actor (awaits instead of blocking its event loop). Ray resolves only
+    top-level ObjectRef arguments of a call; a SampleRef, an element of another call's result list, is
+    resolved here."""
+    refs = _refs(handles)
+    return _pick(dict(zip(refs, await asyncio.gather(*refs))), handles)
 
 
 def as_handles(groups: list[list]) -> list[list]:

@@ -128,3 +128,30 @@ def test_a_killed_engine_loses_no_sample(local_ray, tmp_path, model_dir, engines
     returned = {s.group_id for _, samples in results for s in samples}
     still = {g.group_id for g in ray.get(actors.store.state_dict.remote())["partial"]}
     assert {g.group_id for g in stored} <= returned | still
+
+
+def test_samples_aborted_by_someone_else_mid_step_are_resumed_in_the_same_step(local_ray, tmp_path, model_dir,
+                                                                                engines_of):
+    """Another caller aborts the engines (a token that is not the monitor's) while a step runs: the
+    monitor re-dispatches the interrupted samples from its handles of their partial results (a sample
+    handle is an element of a call's result list, which the engine actor resolves itself), and the
+    step still returns N complete groups with nothing lost or repeated."""
+    import time
+
+    cfg = small_cfg(tmp_path, "rollout.max_response_len=300", "engine.max_model_len=400")
+    engines = engines_of(cfg, model_dir)
+    actors, _ = run_steps(cfg, model_dir, engines, 1)
+    ref = actors.monitor.step.remote(1, 1)
+    aborted, i = 0, 0
+    while not ray.wait([ref], timeout=0.005)[0]:
+        aborted += sum(ray.get([e.abort_all.remote(("someone else", i)) for e in engines.actors]))
+        i += 1
+    assert aborted > 0, "the step ended before any external abort hit a running request"
+    result = ray.get(ref)
+    samples = fetch([h for group in result.groups for h in group])
+    assert len(result.groups) == cfg.rollout.rollout_batch_size
+    assert all(s.state == SampleState.FINISHED for s in samples) and len({s.sample_id for s in samples}) == len(samples)
+    assert any(s.num_resumes for s in samples)
+    taken = ray.get(actors.source.num_groups_taken.remote())
+    counters = ray.get(actors.monitor.counters.remote())
+    assert taken == counters["returned_groups"] + counters["dropped_groups"] + ray.get(actors.store.size.remote())
