@@ -120,6 +120,8 @@ class Rollout:
             done, _ = await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
             for fut in done:
                 self._on_result(fut)
+            if self.call_errors:
+                await self._fail(f"step {step}: an engine call failed: {self.call_errors[0]}")
             await self._top_up()
             self._dispatch()
         if len(self.completed) < self.cfg.rollout_batch_size:
@@ -129,6 +131,8 @@ class Rollout:
             t_nth = self.clock()
             resends = await self._interrupt()
             abort_latency = self.clock() - t_nth
+            if self.call_errors:
+                await self._fail(f"step {step}: an engine call failed: {self.call_errors[0]}")
         return await self._finish(t0, abort_latency, resends)
 
     def _begin(self, step: int, version: int) -> None:
@@ -144,6 +148,7 @@ class Rollout:
         self.generated_tokens = 0
         self.num_fresh = self.num_resumed = 0
         self.store_empty = False
+        self.call_errors: list[str] = []
 
     def _in_flight_target(self) -> int:
         n, incomplete = self.cfg.rollout_batch_size, self._num_incomplete()
@@ -214,11 +219,14 @@ class Rollout:
         flight = self.flights[gid]
         try:
             metas = fut.result()
-        except EngineFailure:
-            self.alive[engine] = False
-            for i in idx:  # resend from the state they were sent in
+        except Exception as e:  # the samples keep the state and handles they were sent with
+            for i in idx:
                 flight.states[i] = flight.metas[i].state if flight.metas[i] else flight.group.samples[i].state
-            self.queue.appendleft(gid)
+            if isinstance(e, EngineFailure):  # resend them to a live engine
+                self.alive[engine] = False
+                self.queue.appendleft(gid)
+            else:  # a bug or a bad sample: not resent; the step stores everything, then fails
+                self.call_errors.append(f"group {gid} on engine {engine}: {e!r}")
             return
         for i, handle, meta in zip(idx, handles, metas):
             flight.handles[i], flight.metas[i], flight.states[i] = handle, meta, meta.state

@@ -161,6 +161,32 @@ def test_engine_death_mid_step_redispatches_without_loss():
     assert rollout.alive == [True, False]
 
 
+def test_a_failing_engine_call_stores_every_sample_then_fails_the_step():
+    """A call that fails for any reason but a dead engine (a bug, a bad sample) is not resent: the step
+    aborts and drains the rest, stores every group with the samples as they were sent, and raises."""
+    c = cfg(max_staleness=100)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=4, tick=0.001)
+    asyncio.run(rollout.step(0, 0))
+    real_call, calls = pool._call, []
+
+    async def call(engine, samples, step):
+        calls.append(engine)
+        if len(calls) == 3:
+            raise ValueError("bad sample")
+        return await real_call(engine, samples, step)
+
+    pool._call = call
+    before = {g.group_id: [s.state for s in g.samples] for g in store.partial.values()}
+    with pytest.raises(RuntimeError, match="an engine call failed: group .* ValueError"):
+        asyncio.run(rollout.step(1, 1))
+    assert source.num_groups_taken == rollout.num_returned_groups + rollout.num_dropped_groups + len(store)
+    assert all(not e.running for e in engines) and rollout.alive == [True, True]
+    assert set(before) <= set(store.partial) | {g.group_id for g in store.complete}
+    pool._call = real_call  # the next step goes on with every group
+    result = asyncio.run(rollout.step(2, 2))
+    check_invariants(result, rollout, source, store, c, set())
+
+
 def test_store_staleness_restart_and_keep():
     from april_ray.types import Group, Sample
 
