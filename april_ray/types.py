@@ -72,6 +72,9 @@ class EngineStats:
     """Prefill tokens skipped because a resumed request found its parked KV cache."""
     num_parked: int = 0
     """Aborted sequences whose KV cache is parked now."""
+    cpu_s: float = 0.0
+    """CPU time of the engine's own thread inside those steps: below `busy_s` when other processes
+    (or other threads of its process) take its core mid-step."""
 
 
 class SampleState(str, enum.Enum):

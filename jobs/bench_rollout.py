@@ -35,14 +35,23 @@ from april_ray.config import Config
 from april_ray.data import dataset_paths, read_examples
 from april_ray.model import ensure_model, load_policy
 
-def saturated_tok_s(engines: Engines, prompts: list[list[int]], seconds: float) -> float:
+def saturated_tok_s(engines: Engines, prompts: list[list[int]], seconds: float) -> tuple[float, float]:
+    """(tokens/s with every slot busy, the engine threads' CPU time over their step time meanwhile)."""
+    before = engines.stats(drain=True)
     results = ray.get([e.throughput_probe.remote(prompts, cap, seconds)
                        for e, cap in zip(engines.actors, engines.capacities)])
-    return sum(t for t, _ in results) / max(s for _, s in results)
+    after = engines.stats(drain=True)
+    return sum(t for t, _ in results) / max(s for _, s in results), on_core(before, after)
+
+
+def on_core(before, after) -> float:
+    """Share of the engines' step time their threads were running (the rest, other processes had the core)."""
+    busy = sum(a.busy_s - b.busy_s for a, b in zip(after, before))
+    return sum(a.cpu_s - b.cpu_s for a, b in zip(after, before)) / busy if busy else 0.0
 
 
 COUNTERS = {"engine_decoded_tokens": "num_generated_tokens", "engine_prefill_tokens": "num_prefill_tokens",
-            "engine_reused_kv_tokens": "num_reused_tokens"}
+            "engine_reused_kv_tokens": "num_reused_tokens", "engine_busy_s": "busy_s", "engine_cpu_s": "cpu_s"}
 
 
 def set_kv_reuse(engines: Engines, enabled: bool) -> None:
@@ -100,6 +109,9 @@ class Mode:
             "running_rows_mean": float(np.mean([n for step in self.occupancy for eng in step for _, n in eng] or [0])),
             "boundary_ms": {part: float(np.mean([r[f"rollout/{key}"] for r in rows]) * 1000)
                             for part, key in (("start", "start_s"), ("abort", "abort_latency_s"), ("store", "store_s"))},
+            # Engines inside a step over the rollout wall, and on a core while inside it.
+            "engine_busy_fraction": self.counters["engine_busy_s"] / (self.wall * len(self.engines.actors)),
+            "engine_on_core": self.counters["engine_cpu_s"] / max(1e-9, self.counters["engine_busy_s"]),
             "wall_s": self.wall, "steps": len(rows), "trained_tokens": trained, **self.counters,
             "lost_samples": (taken - counters["returned_groups"] - counters["dropped_groups"] - stored)
             * self.cfg.rollout.n_samples_per_prompt,
@@ -188,7 +200,8 @@ def sweep(cfg: Config, model_path, engines: Engines, weights_ref, steps: int, wa
     once); its speedup is over that baseline, its utilization over the probes before and after it."""
     n = cfg.rollout.rollout_batch_size
     keys = ("effective_tok_s", "off_policy_token_ratio", "max_staleness", "store_groups_mean",
-            "abort_latency_ms_p99", "lost_samples", "duplicated_samples", "running_rows_mean", "boundary_ms")
+            "abort_latency_ms_p99", "lost_samples", "duplicated_samples", "running_rows_mean", "boundary_ms",
+            "engine_busy_fraction", "engine_on_core")
     out = {}
     for ratio in (1, 1.5, 2, 3, 4):
         modes = [Mode("sync", with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n), model_path,
@@ -230,11 +243,15 @@ def main() -> None:
     _, eval_path = dataset_paths(cfg.task, cfg.model.cache_dir)
     probe_prompts = [tok.encode(ex.prompt) for ex in read_examples(eval_path)]
 
-    saturated = [saturated_tok_s(engines, probe_prompts, args.probe_seconds)]
+    saturated, probe_on_core = [], []
 
     def probe() -> float:
-        saturated.append(saturated_tok_s(engines, probe_prompts, args.probe_seconds))
-        return saturated[-1]
+        tok_s, core = saturated_tok_s(engines, probe_prompts, args.probe_seconds)
+        saturated.append(tok_s)
+        probe_on_core.append(core)
+        return tok_s
+
+    probe()
 
     n = cfg.rollout.rollout_batch_size
     modes = [Mode("sync", with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n), model_path, engines),
@@ -250,6 +267,7 @@ def main() -> None:
         res["utilization"] = res["effective_tok_s"] / ceiling
     result = {
         "saturated_tok_s": ceiling, "saturated_runs": saturated,
+        "saturated_engine_on_core": float(np.mean(probe_on_core)),
         **{name: public(res) for name, res in results.items()},
         "speedup": results["april"]["effective_tok_s"] / results["sync"]["effective_tok_s"],
         **({"kv_reuse_speedup": results["april"]["effective_tok_s"] / results["april_recompute"]["effective_tok_s"]}

@@ -28,12 +28,13 @@ def test_bench_rollout_runs_every_mode_and_the_sweep(tmp_path, random_model_dir)
         assert r[mode]["effective_tok_s"] > 0 and r[mode]["steps"] == 2 and 0 < r[mode]["utilization"]
         assert r[mode]["lost_samples"] == r[mode]["duplicated_samples"] == 0
         assert 0 < r[mode]["running_rows_mean"] <= 16 and set(r[mode]["boundary_ms"]) == {"start", "abort", "store"}
+        assert 0 < r[mode]["engine_busy_fraction"] <= 1 and 0 < r[mode]["engine_on_core"] <= 1.01
     assert r["april"]["engine_reused_kv_tokens"] > 0 == r["april_recompute"]["engine_reused_kv_tokens"]
     assert r["speedup"] == pytest.approx(r["april"]["effective_tok_s"] / r["sync"]["effective_tok_s"])
-    assert r["lost_samples"] == r["duplicated_samples"] == 0
+    assert r["lost_samples"] == r["duplicated_samples"] == 0 and 0 < r["saturated_engine_on_core"] <= 1.01
     assert len(r["saturated_runs"]) == 3 + 5  # before, after round 1, after; then one per sweep point
     assert set(r["sweep"]) == {"1", "1.5", "2", "3", "4"}
     assert all({"utilization", "speedup", "off_policy_token_ratio", "max_staleness", "store_groups_mean",
-                "running_rows_mean", "boundary_ms"}
+                "running_rows_mean", "boundary_ms", "engine_on_core"}
                <= set(p) for p in r["sweep"].values())
     assert all(Path(p).is_file() for p in r["plots"]) and len(r["plots"]) == 4

@@ -48,6 +48,7 @@ class LLMEngine:
         self.num_reused_tokens = 0
         self.num_regroups = 0
         self.busy_s = 0.0
+        self.cpu_s = 0.0
         self.occupancy: list[tuple[float, int]] = []
 
     # -- requests -------------------------------------------------------------------------------------
@@ -114,7 +115,7 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[GenerateOutput]:
         """Admit and prefill waiting requests, then decode one token for every running one."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         finished: list[GenerateOutput] = []
         admitted = self.scheduler.admit(self._prefill_cost)
         for chunk in prefill_chunks([s for s in admitted if not self._restore(s)], self.scheduler.max_prefill_tokens):
@@ -132,6 +133,7 @@ class LLMEngine:
             logits = self.runner.decode([s.last_token for s in running], positions, segments)
             finished += self._sample(running, logits)
         self.busy_s += time.perf_counter() - t0
+        self.cpu_s += time.thread_time() - c0
         self.occupancy.append((time.time(), len(running)))
         return finished
 
@@ -205,4 +207,4 @@ class LLMEngine:
             self.occupancy = []
         return EngineStats(self.num_generated_tokens, self.num_prefill_tokens, self.busy_s,
                            len(self.scheduler.running), len(self.scheduler.waiting), self.version, occupancy,
-                           self.num_reused_tokens, len(self.parked))
+                           self.num_reused_tokens, len(self.parked), self.cpu_s)
