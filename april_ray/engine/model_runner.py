@@ -157,19 +157,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, last_tokens: list[int], positions: list[int],
-               segments: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+               segments: list[tuple[int, int, int]]) -> torch.Tensor:
         """One token for each running sequence; sequence i lives in slot i. Returns logits [B, V].
 
-        `segments` (default: `decode_segments(positions)`) are the contiguous row ranges that attend
-        together, each over its own span: a slice of the cache, never a gathered copy."""
+        `segments` (`decode_segments(positions)`) are the contiguous row ranges that attend together,
+        each over its own span: a slice of the cache, never a gathered copy."""
         b = len(last_tokens)
-        segments = segments or decode_segments(positions)
         pos = torch.tensor(positions)
         rows = torch.arange(b)
         cos, sin = self.cos[pos][:, None, None, :], self.sin[pos][:, None, None, :]
         # Additive masks, built once a step (a boolean one is converted inside every attention call).
-        masks = [torch.zeros(e - a, 1, 1, span).masked_fill_(torch.arange(span) > pos[a:e, None, None, None], float("-inf"))
-                 .to(self.k_cache.dtype) for a, e, span in segments]
+        masks = [torch.zeros(e - a, 1, 1, span, dtype=self.k_cache.dtype)
+                 .masked_fill_(torch.arange(span) > pos[a:e, None, None, None], float("-inf"))
+                 for a, e, span in segments]
 
         def attend(layer_idx):
             def fn(attn, h):
