@@ -10,25 +10,14 @@ import ray
 
 from actors.samples import fetch_async
 from april_ray.config import EngineConfig, RolloutConfig
-from april_ray.engine_worker import EngineWorker
-from april_ray.types import SamplingParams
+from april_ray.engine_worker import build_worker
 
 
 @ray.remote
 class EngineWorkerActor:
     def __init__(self, engine_cfg: EngineConfig, rollout_cfg: RolloutConfig, task_name: str, model_path: str,
                  version: int = 0):
-        from transformers import AutoTokenizer
-
-        from april_ray.engine import build_engine
-        from april_ray.rewards import get_reward_fn
-
-        tok = AutoTokenizer.from_pretrained(model_path)
-        sampling = SamplingParams(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k,
-                                  rollout_cfg.max_response_len, (tok.eos_token_id,))
-        self.worker = EngineWorker(build_engine(engine_cfg, model_path, version),
-                                   lambda ids: tok.decode(ids, skip_special_tokens=True),
-                                   get_reward_fn(task_name), sampling)
+        self.worker = build_worker(engine_cfg, rollout_cfg, task_name, model_path, version)
 
     async def generate_group(self, step, *samples):
         """Call with `.options(num_returns=2)`: the metas (for the monitor), then the list of samples

@@ -19,6 +19,7 @@ import itertools
 import time
 from collections import deque
 
+from april_ray.config import EngineConfig, RolloutConfig
 from april_ray.types import GenerateRequest, Sample, SampleMeta, SampleState, SamplingParams
 
 
@@ -28,6 +29,21 @@ def sample_meta(sample: Sample, num_new_tokens: int) -> SampleMeta:
         counts[v] = counts.get(v, 0) + 1
     return SampleMeta(sample.sample_id, sample.group_id, sample.state, num_new_tokens,
                       len(sample.response_ids), sample.reward, counts)
+
+
+def build_worker(engine_cfg: EngineConfig, rollout_cfg: RolloutConfig, task_name: str, model_path: str,
+                 version: int = 0) -> "EngineWorker":
+    """An EngineWorker on the configured engine backend, with the task's reward and the rollout's sampling."""
+    from transformers import AutoTokenizer
+
+    from april_ray.engine import build_engine
+    from april_ray.rewards import get_reward_fn
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    sampling = SamplingParams(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k,
+                              rollout_cfg.max_response_len, (tok.eos_token_id,))
+    return EngineWorker(build_engine(engine_cfg, model_path, version),
+                        lambda ids: tok.decode(ids, skip_special_tokens=True), get_reward_fn(task_name), sampling)
 
 
 class EngineWorker:

@@ -11,13 +11,12 @@ always running, each finished one replaced at once (real stop token and response
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
 import time
 
 import torch
 
-from jobs.common import parse
+from jobs.common import parse, write_result
 from april_ray.data import dataset_paths, read_examples
 from april_ray.engine.cpu_engine import LLMEngine
 from april_ray.model import ensure_model, load_policy
@@ -124,9 +123,7 @@ def main() -> None:
                                "seconds": args.task_seconds},
                   "params": sum(p.numel() for p in model.parameters())},
     }
-    print(json.dumps(result, indent=2))
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(args.json, result)
 
 
 if __name__ == "__main__":

@@ -22,14 +22,13 @@ resume re-prefills, as in slime and AReaL. `kv_reuse_speedup` is APRIL over it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 import ray
 
-from jobs.common import init_ray, parse
+from jobs.common import init_ray, parse, write_result
 from actors.system import Engines, start_engines, start_rollout
 from april_ray.config import Config
 from april_ray.data import dataset_paths, read_examples
@@ -285,10 +284,7 @@ def main() -> None:
         result["sweep"] = sweep(cfg, model_path, engines, weights_ref, args.sweep_steps, args.warmup_steps,
                                 saturated[-1], probe)
         result["saturated_runs"] = saturated
-    print(json.dumps(result, indent=2, default=float))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2, default=float)
+    write_result(args.json, result)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,9 @@ defaults to the warm-up model's accuracy plus `--gain`.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-from jobs.common import init_ray, parse
+from jobs.common import init_ray, parse, write_result
 from jobs.train import train
 
 
@@ -43,9 +42,7 @@ def main() -> None:
                         "accuracy_before": s["accuracy_before"], "train_s": s["train_s"], "history": s["history"]}
     t_sync, t_april = result["sync"]["time_to_target_s"], result["april"]["time_to_target_s"]
     result["speedup"] = t_sync / t_april if t_sync and t_april else None
-    print(json.dumps(result, indent=2))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
+    write_result(args.json, result)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from pathlib import Path
 
 # Every Ray listener on 127.0.0.1, no usage stats, one auth mode everywhere (see shared ENVIRONMENT.md).
 for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
@@ -39,3 +41,12 @@ def init_ray(cfg: Config, address: str | None = None) -> None:
         return
     need = sum(b.get("CPU", 0) for b in plan(cfg).bundles) + 1
     ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False)
+
+
+def write_result(path: str | None, result: dict) -> None:
+    """Print a job's result as JSON, and write it to `path` (its directory created) when given."""
+    text = json.dumps(result, indent=2, default=float)
+    print(text)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)

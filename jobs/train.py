@@ -16,7 +16,7 @@ from pathlib import Path
 
 import ray
 
-from jobs.common import init_ray, parse
+from jobs.common import init_ray, parse, write_result
 from actors.job import Evaluator, latest_checkpoint, restore_checkpoint, save_checkpoint
 from actors.learner import LearnerGroup
 from actors.system import start_engines, start_rollout
@@ -92,10 +92,7 @@ def train(cfg) -> dict:
 def main() -> None:
     cfg, args = parse(__doc__, lambda p: p.add_argument("--summary", help="write the summary JSON here"))
     summary = train(cfg)
-    print(json.dumps(summary, indent=2))
-    if args.summary:
-        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.summary).write_text(json.dumps(summary, indent=2))
+    write_result(args.summary, summary)
 
 
 if __name__ == "__main__":

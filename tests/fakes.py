@@ -1,5 +1,6 @@
 """Fakes for testing the rollout without Ray: an engine with token-granular continuous batching whose
-response length is encoded in the prompt (its first id), a pool, and proxies for the store and source."""
+response length is encoded in the prompt (its first id), and the rollout wired on it in process
+(`april_ray.local`)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +9,8 @@ import random
 from april_ray.data import Example
 from april_ray.engine_worker import EngineWorker
 from april_ray.prompt_source import PromptSource
-from april_ray.rollout import EngineFailure
-from april_ray.store import PartialRolloutStore, resolve_groups
+from april_ray.local import LocalPool, LocalProxy
+from april_ray.store import PartialRolloutStore
 from april_ray.types import FinishReason, GenerateOutput, SamplingParams
 
 TOKEN = 7
@@ -72,69 +73,6 @@ class FakeEngine:
 
     def stats(self, drain=True):
         return None
-
-
-class LocalHandle:
-    def __init__(self, task, index):
-        self.task = task
-        self.index = index
-
-    def value(self):
-        return self.task.result()[1][self.index]
-
-
-def resolve(x):
-    return x.value() if isinstance(x, LocalHandle) else x
-
-
-class LocalPool:
-    def __init__(self, workers, capacities, abort_delay: float = 0.0):
-        self.workers = workers
-        self.capacities = capacities
-        self.abort_delay = abort_delay
-        self.dead: set[int] = set()
-
-    def generate(self, engine, samples, step):
-        task = asyncio.ensure_future(self._call(engine, [resolve(s) for s in samples], step))
-
-        async def metas():
-            return (await task)[0]
-
-        return metas(), [LocalHandle(task, i) for i in range(len(samples))]
-
-    async def _call(self, engine, samples, step):
-        if engine in self.dead:
-            raise EngineFailure(f"engine {engine} is dead")
-        result = await self.workers[engine].generate_group(samples, step)
-        if engine in self.dead:
-            raise EngineFailure(f"engine {engine} died mid-call")
-        return result
-
-    async def abort_all(self, step, engines):
-        if self.abort_delay:  # completions race with the abort while it is on its way
-            await asyncio.sleep(self.abort_delay)
-        for e in engines:
-            self.workers[e].abort_all(step)
-
-    def kill(self, engine):
-        self.dead.add(engine)
-        self.workers[engine].engine.abort_all()
-
-
-class LocalProxy:
-    """Async view of a plain object, resolving sample handles in arguments like the Ray shells do."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __getattr__(self, name):
-        fn = getattr(self.obj, name)
-
-        async def call(*args):
-            args = [resolve_groups(a, resolve) if name.startswith("put_") else a for a in args]
-            return fn(*args)
-
-        return call
 
 
 def length_examples(num: int, seed: int, median: int = 20, tail: int = 400) -> list[Example]:

@@ -142,7 +142,6 @@ def test_samples_aborted_by_someone_else_mid_step_are_resumed_in_the_same_step(l
     monitor re-dispatches the interrupted samples from its handles of their partial results (a sample
     handle is an element of a call's result list, which the engine actor resolves itself), and the
     step still returns N complete groups with nothing lost or repeated."""
-    import time
 
     cfg = small_cfg(tmp_path, "rollout.max_response_len=300", "engine.max_model_len=400")
     engines = engines_of(cfg, model_dir)

@@ -4,9 +4,10 @@ import asyncio
 import pytest
 
 from april_ray.config import RolloutConfig
+from april_ray.local import LocalHandle, resolve
 from april_ray.store import PartialRolloutStore
 from april_ray.types import SampleState
-from tests.fakes import TOKEN, LocalHandle, make_rollout_parts, resolve
+from tests.fakes import TOKEN, make_rollout_parts
 
 
 def cfg(**kw):

@@ -1,0 +1,79 @@
+"""The rollout without Ray: an in-process `EnginePool` over `EngineWorker`s and async views of the source
+and store, all on one event loop. The rollout tests run on it (with fake engines), and so does
+`jobs/bench_schedule.py` (with the real engine), which measures the schedules without any transport.
+
+A sample handle here is a `LocalHandle`: element `index` of a call's result, like `actors.samples.SampleRef`
+on Ray.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from april_ray.rollout import EngineFailure
+from april_ray.store import resolve_groups
+
+
+class LocalHandle:
+    def __init__(self, task: asyncio.Future, index: int):
+        self.task = task
+        self.index = index
+
+    def value(self):
+        return self.task.result()[1][self.index]
+
+
+def resolve(x):
+    return x.value() if isinstance(x, LocalHandle) else x
+
+
+class LocalPool:
+    """`EnginePool` over in-process workers; `kill(e)` makes engine e fail its calls like a dead actor."""
+
+    def __init__(self, workers, capacities: list[int], abort_delay: float = 0.0):
+        self.workers = workers
+        self.capacities = capacities
+        self.abort_delay = abort_delay
+        self.dead: set[int] = set()
+
+    def generate(self, engine, samples, step):
+        task = asyncio.ensure_future(self._call(engine, [resolve(s) for s in samples], step))
+
+        async def metas():
+            return (await task)[0]
+
+        return metas(), [LocalHandle(task, i) for i in range(len(samples))]
+
+    async def _call(self, engine, samples, step):
+        if engine in self.dead:
+            raise EngineFailure(f"engine {engine} is dead")
+        result = await self.workers[engine].generate_group(samples, step)
+        if engine in self.dead:
+            raise EngineFailure(f"engine {engine} died mid-call")
+        return result
+
+    async def abort_all(self, step, engines):
+        if self.abort_delay:  # completions race with the abort while it is on its way
+            await asyncio.sleep(self.abort_delay)
+        for e in engines:
+            self.workers[e].abort_all(step)
+
+    def kill(self, engine):
+        self.dead.add(engine)
+        self.workers[engine].engine.abort_all()
+
+
+class LocalProxy:
+    """Async view of a plain object (source, store), resolving sample handles in what is put into it, as
+    the Ray shells do."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __getattr__(self, name):
+        fn = getattr(self.obj, name)
+
+        async def call(*args):
+            args = [resolve_groups(a, resolve) if name.startswith("put_") else a for a in args]
+            return fn(*args)
+
+        return call

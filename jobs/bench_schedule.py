@@ -1,0 +1,171 @@
+"""The schedules alone: the synchronous baseline vs APRIL on one engine in this process, without Ray.
+
+    python -m jobs.bench_schedule --json PATH [--steps 30] [--factors 1,1.5,2,3] [--config YAML] [key=value ...]
+
+The same logic as the Ray run (`Rollout`, the CompletionMonitor's logic; `PromptSource`;
+`PartialRolloutStore`; `EngineWorker` on the CPU engine), wired on one event loop by `april_ray.local`:
+no serialization, no calls between processes, no control-plane process on the engine's core. One engine
+carries one engine's share of the Ray run's load: N / E groups a step, N' / E in flight (E =
+rollout.num_engines). So this measures what each schedule gets out of the engine's batch curve, which
+bounds what `jobs.bench_rollout` can reach with the same engine; the rest of the gap is transport and the
+cores the control plane takes.
+
+Every mode has its own engine (same weights and seed), source (same seed, so the same prompts) and store;
+the modes run interleaved step by step, one at a time, so the machine's drift falls on all alike. Before
+each round the weights are published again under the next policy version. The ceiling is bench_rollout's
+probe (`EngineWorker.throughput_probe`: every slot busy with the task's prompts, each finished request
+replaced at once) on an engine of its own, before, every `--probe-every` rounds, and after.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jobs.bench_rollout import COUNTERS, public, with_rollout
+from jobs.common import parse, write_result
+from april_ray.config import Config, ConfigError
+from april_ray.data import dataset_paths, read_examples
+from april_ray.engine_worker import build_worker
+from april_ray.local import LocalPool, LocalProxy
+from april_ray.model import ensure_model, load_policy
+from april_ray.prompt_source import PromptSource
+from april_ray.rollout import Rollout
+from april_ray.store import PartialRolloutStore
+
+
+def per_engine(cfg: Config, factor: float | None) -> tuple[int, int]:
+    """(N, N') for one engine: the Ray run's N / E, and N' = factor x that (the config's N' / E if None)."""
+    r, e = cfg.rollout, cfg.rollout.num_engines
+    if r.rollout_batch_size % e:
+        raise ConfigError(f"rollout.rollout_batch_size={r.rollout_batch_size} does not split over "
+                          f"rollout.num_engines={e} engines")
+    n = r.rollout_batch_size // e
+    return n, max(n, int(round(factor * n)) if factor is not None else r.over_sampling_batch_size // e)
+
+
+class LocalMode:
+    """One schedule with its own engine, source and store, on this event loop."""
+
+    def __init__(self, name: str, cfg: Config, model_path: str, train_examples, encode):
+        self.name, self.cfg = name, cfg
+        r = cfg.rollout
+        self.worker = build_worker(cfg.engine, r, cfg.task.name, model_path)
+        self.source = PromptSource(train_examples, encode, r.n_samples_per_prompt, r.max_response_len, cfg.task.seed)
+        self.store = PartialRolloutStore(r.max_staleness, r.stale_policy)
+        self.rollout = Rollout(r, LocalPool([self.worker], [cfg.engine.max_num_seqs]), LocalProxy(self.source),
+                               LocalProxy(self.store))
+        self.wall, self.rows, self.running, self.latencies = 0.0, [], [], []
+        self.seen, self.duplicated = set(), 0
+        self.counters = dict.fromkeys(COUNTERS, 0)
+
+    async def step(self, step: int, measured: bool) -> None:
+        before = self.worker.stats(drain=True)
+        t0 = time.perf_counter()
+        result = await self.rollout.step(step, step)
+        dt = time.perf_counter() - t0
+        after = self.worker.stats(drain=True)
+        if not measured:
+            return
+        self.wall += dt
+        for key, field in COUNTERS.items():
+            self.counters[key] += getattr(after, field) - getattr(before, field)
+        self.rows.append(result.metrics | {"store_groups": len(self.store)})
+        self.latencies.append(result.metrics["rollout/abort_latency_s"])
+        self.running += [n for _, n in after.occupancy]
+        for meta in (m for group in result.metas for m in group):
+            self.duplicated += meta.sample_id in self.seen
+            self.seen.add(meta.sample_id)
+
+    def result(self, ceiling: float) -> dict:
+        rows, r = self.rows, self.rollout
+        trained = sum(x["rollout/trained_tokens"] for x in rows)
+        off = sum(x["rollout/off_policy_token_ratio"] * x["rollout/trained_tokens"] for x in rows)
+        effective = trained / self.wall
+        return {
+            "rollout_batch_size": self.cfg.rollout.rollout_batch_size,
+            "over_sampling_batch_size": self.cfg.rollout.over_sampling_batch_size,
+            "effective_tok_s": effective, "utilization": effective / ceiling,
+            "generated_tok_s": sum(x["rollout/generated_tokens"] for x in rows) / self.wall,
+            "running_rows_mean": float(np.mean(self.running or [0])),
+            "engine_busy_fraction": self.counters["engine_busy_s"] / self.wall,
+            "prefill_per_decoded": self.counters["engine_prefill_tokens"] / max(1, self.counters["engine_decoded_tokens"]),
+            "boundary_ms": {part: float(np.mean([x[f"rollout/{key}"] for x in rows]) * 1000)
+                            for part, key in (("start", "start_s"), ("abort", "abort_latency_s"), ("store", "store_s"))},
+            "abort_latency_ms_p99": float(np.percentile(self.latencies, 99) * 1000),
+            "off_policy_token_ratio": off / max(1, trained),
+            "max_staleness": max(x["rollout/staleness_max"] for x in rows),
+            "store_groups_mean": float(np.mean([x["store_groups"] for x in rows])),
+            "wall_s": self.wall, "steps": len(rows), "trained_tokens": trained, **self.counters,
+            "lost_samples": (self.source.num_groups_taken - r.num_returned_groups - r.num_dropped_groups
+                             - len(self.store)) * self.cfg.rollout.n_samples_per_prompt,
+            "duplicated_samples": self.duplicated,
+        }
+
+
+async def run(cfg: Config, args, model_path: str) -> dict:
+    model, tok = load_policy(model_path)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    train_path, eval_path = dataset_paths(cfg.task, cfg.model.cache_dir)
+    train = read_examples(train_path, cfg.task.prompt_key, cfg.task.answer_key)
+    probe_prompts = [tok.encode(ex.prompt) for ex in read_examples(eval_path)]
+    n, _ = per_engine(cfg, None)
+    factors = [float(f) for f in args.factors.split(",")]
+    modes = [LocalMode("sync", with_rollout(cfg, partial_rollout=False, rollout_batch_size=n,
+                                            over_sampling_batch_size=n), model_path, train, tok.encode)]
+    for f in factors:
+        _, n_prime = per_engine(cfg, f)
+        modes.append(LocalMode(f"april_{f:g}", with_rollout(cfg, partial_rollout=True, rollout_batch_size=n,
+                                                            over_sampling_batch_size=n_prime),
+                               model_path, train, tok.encode))
+    prober = build_worker(cfg.engine, cfg.rollout, cfg.task.name, model_path)
+    ceilings = []
+
+    async def probe() -> None:
+        tokens, seconds = await prober.throughput_probe(probe_prompts, cfg.engine.max_num_seqs, args.probe_seconds)
+        ceilings.append(tokens / seconds)
+
+    await probe()
+    for step in range(args.warmup_steps + args.steps):
+        for mode in modes:  # a stand-in learner publishes the weights under version `step`
+            mode.worker.update_weights(state, step)
+            await mode.step(step, measured=step >= args.warmup_steps)
+        done = step + 1 - args.warmup_steps
+        if 0 < done < args.steps and done % args.probe_every == 0:
+            await probe()
+    await probe()
+    ceiling = float(np.mean(ceilings))
+    results = {m.name: public(m.result(ceiling)) for m in modes}
+    sync = results["sync"]["effective_tok_s"]
+    for name, res in results.items():
+        res["speedup"] = res["effective_tok_s"] / sync
+    return {"saturated_tok_s": ceiling, "saturated_runs": ceilings, **results,
+            "config": {"rollout_batch_size": n, "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
+                       "max_num_seqs": cfg.engine.max_num_seqs, "max_response_len": cfg.rollout.max_response_len,
+                       "park_slots": cfg.engine.park_slots,
+                       "kv_reuse_max_staleness": cfg.engine.kv_reuse_max_staleness, "factors": factors}}
+
+
+def main() -> None:
+    def extra(p):
+        p.set_defaults(config=str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"))
+        p.add_argument("--json", required=True)
+        p.add_argument("--steps", type=int, default=20)
+        p.add_argument("--warmup-steps", type=int, default=2)
+        p.add_argument("--factors", default="1.5", help="APRIL's N'/N, comma-separated: one mode each")
+        p.add_argument("--probe-every", type=int, default=10, help="measure the ceiling every this many rounds")
+        p.add_argument("--probe-seconds", type=float, default=5.0)
+
+    cfg, args = parse(__doc__, extra)
+    try:
+        per_engine(cfg, None)
+    except ConfigError as e:
+        raise SystemExit(f"bench_schedule: {e}")
+    result = asyncio.run(run(cfg, args, str(ensure_model(cfg))))
+    write_result(args.json, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The in-process schedule benchmark end to end on a small config: every mode, JSON keys, nothing lost."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from april_ray.config import ConfigError, load_config
+from jobs.bench_schedule import per_engine
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_per_engine_share_of_the_ray_run():
+    cfg = load_config(None, ["rollout.rollout_batch_size=16", "rollout.over_sampling_batch_size=24",
+                             "rollout.num_engines=2"])
+    assert per_engine(cfg, None) == (8, 12) and per_engine(cfg, 3) == (8, 24) and per_engine(cfg, 1) == (8, 8)
+    with pytest.raises(ConfigError, match="rollout.rollout_batch_size=15"):
+        per_engine(load_config(None, ["rollout.rollout_batch_size=15", "rollout.over_sampling_batch_size=16"]), None)
+
+
+def test_bench_schedule_runs_sync_and_april_in_process(tmp_path, random_model_dir):
+    out = tmp_path / "sched.json"
+    cmd = [sys.executable, "-m", "jobs.bench_schedule", "--json", str(out), "--steps", "3", "--warmup-steps", "1",
+           "--factors", "1,2", "--probe-every", "2", "--probe-seconds", "0.5", f"model.path={random_model_dir}",
+           f"model.cache_dir={tmp_path}", "task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=8",
+           "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=24",
+           "engine.max_model_len=64", "engine.max_num_seqs=16", "engine.park_slots=16"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert len(r["saturated_runs"]) == 3 and r["config"]["rollout_batch_size"] == 4  # 8 groups over 2 engines
+    for mode, n_prime in (("sync", 4), ("april_1", 4), ("april_2", 8)):
+        res = r[mode]
+        assert res["steps"] == 3 and res["over_sampling_batch_size"] == n_prime
+        assert res["effective_tok_s"] > 0 and 0 < res["utilization"] and 0 < res["running_rows_mean"] <= 16
+        assert res["lost_samples"] == res["duplicated_samples"] == 0
+    assert r["sync"]["speedup"] == 1 and r["sync"]["off_policy_token_ratio"] == 0
+    assert r["april_2"]["speedup"] == pytest.approx(r["april_2"]["effective_tok_s"] / r["sync"]["effective_tok_s"])
