@@ -36,6 +36,32 @@ def test_greedy_matches_hf_generate_with_requests_joining_mid_batch(policy, max_
         assert out.finish_reason == FinishReason.LENGTH
 
 
+def test_prefill_in_the_decode_pass_with_several_chunks_and_first_token_finishes(policy):
+    """Fresh inputs are prefilled in the running batch's decode pass; admissions over the prefill budget
+    run in extra chunks first, and a request done at its first token leaves mid-step. Every continuation
+    is still the model's own greedy one, and no row is fed twice in a step."""
+    model, tok = policy
+    engine = LLMEngine(model, max_num_seqs=8, max_model_len=160, max_prefill_tokens=24)
+    first = requests(tok, greedy(30), PROMPTS[:2])
+    for r in first:
+        engine.add_request(r)
+    engine.step()  # two rows running when the others arrive
+    later = [GenerateRequest(f"late{i}", tok.encode(p), greedy(1 if i % 2 else 12)) for i, p in enumerate(PROMPTS)]
+    for r in later:
+        engine.add_request(r)
+    outs = {}
+    steps = 0
+    while engine.has_work():
+        for out in engine.step():
+            outs[out.request_id] = out
+        steps += 1
+    for r in first:
+        assert outs[r.request_id].token_ids == hf_greedy(model, r.input_ids, 30)
+    for i, r in enumerate(later):
+        assert outs[r.request_id].token_ids == hf_greedy(model, r.input_ids, r.sampling.max_new_tokens), PROMPTS[i]
+    assert 1 + steps == 30  # the first two got one token a step, from their prefill on, and outlived the rest
+
+
 def test_staggered_join_does_not_disturb_running_request(policy):
     model, tok = policy
     engine = LLMEngine(model, max_num_seqs=4, max_model_len=128)

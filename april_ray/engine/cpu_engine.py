@@ -114,58 +114,74 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[GenerateOutput]:
-        """Admit and prefill waiting requests, then decode one token for every running one."""
+        """Admit waiting requests; then one pass decodes a token for every running sequence and prefills
+        the admitted ones (a resumed one whose KV cache is parked here restores it and just decodes)."""
         t0, c0 = time.perf_counter(), time.thread_time()
         finished: list[GenerateOutput] = []
-        admitted = self.scheduler.admit(self._prefill_cost)
-        for chunk in prefill_chunks([s for s in admitted if not self._restore(s)], self.scheduler.max_prefill_tokens):
-            logits = self.runner.prefill([s.request.input_ids + s.token_ids for s in chunk], [s.slot for s in chunk])
-            self.num_prefill_tokens += sum(s.num_tokens for s in chunk)
-            for s in chunk:
-                s.kv_version = self.version
-            finished += self._sample(chunk, logits)
-        running = list(self.scheduler.running)
-        if running:
-            positions = [s.num_tokens - 1 for s in running]
+        fresh = self._admit()
+        # Rows [0, n) decode; the fresh inputs sit after them. All but the last prefill chunk (a step's
+        # admissions rarely fill more than one) run on their own, the last one in the decode pass.
+        n = len(self.scheduler.running) - len(fresh)
+        chunks = prefill_chunks(fresh, self.scheduler.max_prefill_tokens) if fresh else [[]]
+        for chunk in chunks[:-1]:
+            finished += self._sample(chunk, self.runner.forward([], [], [], *self._inputs(chunk)))
+        decoding, positions, segments = list(self.scheduler.running[:n]), [], []
+        if decoding:
+            positions = [s.num_tokens - 1 for s in decoding]
             segments = decode_segments(positions)
             if fragmented(positions, segments):
-                running, positions, segments = self._regroup_running(positions)
-            logits = self.runner.decode([s.last_token for s in running], positions, segments)
-            finished += self._sample(running, logits)
+                decoding, positions, segments = self._regroup(n, positions)
+        rows = len(self.scheduler.running)
+        if decoding or chunks[-1]:
+            logits = self.runner.forward([s.last_token for s in decoding], positions, segments,
+                                         *self._inputs(chunks[-1]))
+            finished += self._sample(decoding + chunks[-1], logits)
         self.busy_s += time.perf_counter() - t0
         self.cpu_s += time.thread_time() - c0
-        self.occupancy.append((time.time(), len(running)))
+        self.occupancy.append((time.time(), rows))
         return finished
 
-    def _regroup_running(self, positions: list[int]):
-        """One contiguous range of rows per span class (`grouping_order`), so the decode attends in a few
-        slices of the cache. Rows keep their places as they all grow by a token a step, and fresh prompts
-        join at the end in the shortest class; resumed long sequences admitted among short ones, and
-        short ones moved into a finished row's slot, fragment the batch."""
+    def _admit(self) -> list[Sequence]:
+        """Move waiting requests into slots; those whose cache is parked here get it back. Returns the rest,
+        which need a prefill, placed after every decoding row (the restored ones included)."""
+        first = len(self.scheduler.running)
+        admitted = self.scheduler.admit(self._prefill_cost)
+        parked = [self.kv_reuse and self.parked.take(s.request.input_ids, self.version) or None for s in admitted]
+        restored = [i for i, e in enumerate(parked) if e is not None]
+        fresh = [i for i, e in enumerate(parked) if e is None]
+        # The new slots hold nothing yet: renumbering them moves no cache rows.
+        self.scheduler.reorder(list(range(first)) + [first + i for i in restored + fresh])
+        for i in restored:
+            seq, entry = admitted[i], parked[i]
+            self.runner.copy_slot(entry.slot, seq.slot, seq.num_tokens - 1)
+            seq.kv_version = entry.version
+            self.num_reused_tokens += seq.num_tokens - 1
+        return [admitted[i] for i in fresh]
+
+    def _inputs(self, chunk: list[Sequence]) -> tuple[list[list[int]], list[int]]:
+        """A prefill chunk's inputs and slots; counts its tokens and stamps its cache with this version."""
+        self.num_prefill_tokens += sum(s.num_tokens for s in chunk)
+        for s in chunk:
+            s.kv_version = self.version
+        return [s.request.input_ids + s.token_ids for s in chunk], [s.slot for s in chunk]
+
+    def _regroup(self, n: int, positions: list[int]):
+        """One contiguous range of rows per span class among the n decoding rows (`grouping_order`), so
+        the decode attends in a few slices of the cache. Rows keep their places as they all grow by a
+        token a step, and fresh prompts join at the end in the shortest class; resumed long sequences
+        admitted among short ones, and short ones moved into a finished row's slot, fragment the batch."""
         order = grouping_order(positions)
         moved = [i for i, o in enumerate(order) if o != i]
         if moved:  # always, when fragmented: some class is split, so some row is outside its range
             self.runner.move_rows([order[i] for i in moved], moved, max(positions[order[i]] for i in moved))
-        self.scheduler.reorder(order)
+        self.scheduler.reorder(order + list(range(n, len(self.scheduler.running))))
         self.num_regroups += 1
         positions = [positions[i] for i in order]
-        return list(self.scheduler.running), positions, decode_segments(positions)
+        return list(self.scheduler.running[:n]), positions, decode_segments(positions)
 
     def _prefill_cost(self, seq: Sequence) -> int:
         hit = self.kv_reuse and self.parked.usable(seq.request.input_ids, self.version)
         return 1 if hit else seq.num_tokens
-
-    def _restore(self, seq: Sequence) -> bool:
-        """Reattach a parked cache for this exact input; the sequence then joins this step's decode,
-        which feeds its last token."""
-        entry = self.kv_reuse and self.parked.take(seq.request.input_ids, self.version)
-        if not entry:
-            return False
-        cached = seq.num_tokens - 1
-        self.runner.copy_slot(entry.slot, seq.slot, cached)
-        seq.kv_version = entry.version
-        self.num_reused_tokens += cached
-        return True
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[GenerateOutput]:
         params = [s.request.sampling for s in seqs]

@@ -5,7 +5,7 @@ The weights are the Hugging Face module's own parameters, used by reference, so 
 (a fused RMSNorm, projections without nn.Module calls: at this size the per-op overhead is most of a
 small batch's step). In attention, each sequence sits at its own position and reads its own cache slot;
 the running batch is packed into slots 0..n-1, and decode attends in a few contiguous ranges of it, each
-over its own span (`decode_segments`).
+over its own span (`decode_segments`). Fresh inputs are prefilled in the same pass as the decode step.
 """
 from __future__ import annotations
 
@@ -110,19 +110,15 @@ class ModelRunner:
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
 
     def _qkv(self, attn, h: torch.Tensor, cos, sin):
-        b, n = h.shape[:2]
-        q = _rms(attn.q_norm, _linear(attn.q_proj, h).view(b, n, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = _rms(attn.k_norm, _linear(attn.k_proj, h).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = _linear(attn.v_proj, h).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v
+        """Queries, keys, values of a flat batch of tokens [T, hidden] -> [T, heads, head_dim], rotated."""
+        t = h.shape[0]
+        q = _rms(attn.q_norm, _linear(attn.q_proj, h).view(t, self.num_heads, self.head_dim))
+        k = _rms(attn.k_norm, _linear(attn.k_proj, h).view(t, self.num_kv_heads, self.head_dim))
+        v = _linear(attn.v_proj, h).view(t, self.num_kv_heads, self.head_dim)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def _block(self, layer, x, attend):
-        h = _rms(layer.input_layernorm, x)
-        o = attend(layer.self_attn, h)
-        b, n = x.shape[:2]
-        x = x + _linear(layer.self_attn.o_proj, o.transpose(1, 2).reshape(b, n, -1))
+        x = x + _linear(layer.self_attn.o_proj, attend(layer.self_attn, _rms(layer.input_layernorm, x)))
         mlp, h = layer.mlp, _rms(layer.post_attention_layernorm, x)
         return x + _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, h)) * _linear(mlp.up_proj, h))
 
@@ -130,67 +126,69 @@ class ModelRunner:
         return _linear(self.model.lm_head, _rms(self.model.model.norm, x)).float()
 
     @torch.inference_mode()
-    def prefill(self, token_lists: list[list[int]], slots: list[int]) -> torch.Tensor:
-        """Run whole inputs (right-padded), fill their cache slots; logits at each last position [B, V]."""
-        lens = torch.tensor([len(t) for t in token_lists])
-        width = int(lens.max())
-        ids = torch.zeros(len(token_lists), width, dtype=torch.long)
-        for row, toks in enumerate(token_lists):
-            ids[row, : len(toks)] = torch.tensor(toks)
-        slot_idx = torch.tensor(slots)
-        cos, sin = self.cos[:width], self.sin[:width]
+    def forward(self, last_tokens: list[int], positions: list[int], segments: list[tuple[int, int, int]],
+                token_lists: list[list[int]] = (), slots: list[int] = ()) -> torch.Tensor:
+        """One pass over a mixed batch: one token for each running sequence i in slot i (`last_tokens` at
+        `positions`, attending in `segments`, `decode_segments(positions)`: contiguous row ranges, each
+        over its own span, slices of the cache and never a gathered copy), and whole inputs
+        (`token_lists`, right-padded) into the cache `slots`. Logits [decode rows + inputs, V]: each
+        decode row's, then each input's at its last position.
 
-        def attend(layer_idx):
-            def fn(attn, h):
-                q, k, v = self._qkv(attn, h, cos, sin)
-                self.k_cache[layer_idx, slot_idx, :, :width] = k
-                self.v_cache[layer_idx, slot_idx, :, :width] = v
-                # Padding sits after each real token, so the causal mask already hides it.
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            return fn
-
-        x = self.model.model.embed_tokens(ids)
-        for i, layer in enumerate(self.layers):
-            x = self._block(layer, x, attend(i))
-        last = x[torch.arange(len(token_lists)), lens - 1]
-        return self._logits(last)
-
-    @torch.inference_mode()
-    def decode(self, last_tokens: list[int], positions: list[int],
-               segments: list[tuple[int, int, int]]) -> torch.Tensor:
-        """One token for each running sequence; sequence i lives in slot i. Returns logits [B, V].
-
-        `segments` (`decode_segments(positions)`) are the contiguous row ranges that attend together,
-        each over its own span: a slice of the cache, never a gathered copy."""
-        b = len(last_tokens)
-        pos = torch.tensor(positions)
-        rows = torch.arange(b)
-        cos, sin = self.cos[pos][:, None, None, :], self.sin[pos][:, None, None, :]
-        # Additive masks, built once a step (a boolean one is converted inside every attention call).
+        Prefilling in the decode step's pass, as SGLang's mixed batches do, shares every projection,
+        norm and MLP op between the two: at this size a separate prefill pass for a few fresh prompts
+        cost half a 64-row decode step (jobs/bench_schedule profiles, BENCHMARKS.md)."""
+        b, n = len(last_tokens), len(token_lists)
+        ids, pos = [torch.tensor(last_tokens, dtype=torch.long)], [torch.tensor(positions, dtype=torch.long)]
+        if n:
+            lens = torch.tensor([len(t) for t in token_lists])
+            width = int(lens.max())
+            padded = torch.zeros(n, width, dtype=torch.long)
+            for row, toks in enumerate(token_lists):
+                padded[row, : len(toks)] = torch.tensor(toks)
+            ids.append(padded.view(-1))
+            pos.append(torch.arange(width).repeat(n))
+            slot_idx = torch.tensor(slots)
+        flat_pos = torch.cat(pos)
+        cos, sin = self.cos[flat_pos][:, None, :], self.sin[flat_pos][:, None, :]
+        dpos, rows = flat_pos[:b], torch.arange(b)
+        # Additive masks, built once a pass (a boolean one is converted inside every attention call).
         masks = [torch.zeros(e - a, 1, 1, span, dtype=self.k_cache.dtype)
-                 .masked_fill_(torch.arange(span) > pos[a:e, None, None, None], float("-inf"))
+                 .masked_fill_(torch.arange(span) > dpos[a:e, None, None, None], float("-inf"))
                  for a, e, span in segments]
 
         def attend(layer_idx):
             def fn(attn, h):
                 q, k, v = self._qkv(attn, h, cos, sin)
                 kc, vc = self.k_cache[layer_idx], self.v_cache[layer_idx]
-                kc[rows, :, pos] = k[:, :, 0]
-                vc[rows, :, pos] = v[:, :, 0]
-                if len(segments) == 1:
-                    return F.scaled_dot_product_attention(q, kc[:b, :, :segments[0][2]], vc[:b, :, :segments[0][2]],
-                                                          attn_mask=masks[0], enable_gqa=True)
-                out = torch.empty_like(q)
-                for (a, e, span), mask in zip(segments, masks):
-                    out[a:e] = F.scaled_dot_product_attention(
-                        q[a:e], kc[a:e, :, :span], vc[a:e, :, :span], attn_mask=mask, enable_gqa=True)
-                return out
+                outs = []
+                if b:
+                    kc[rows, :, dpos], vc[rows, :, dpos] = k[:b], v[:b]
+                    qd = q[:b, :, None, :]
+                    if len(segments) == 1:
+                        span = segments[0][2]
+                        od = F.scaled_dot_product_attention(qd, kc[:b, :, :span], vc[:b, :, :span],
+                                                            attn_mask=masks[0], enable_gqa=True)
+                    else:
+                        od = torch.empty_like(qd)
+                        for (a, e, span), mask in zip(segments, masks):
+                            od[a:e] = F.scaled_dot_product_attention(
+                                qd[a:e], kc[a:e, :, :span], vc[a:e, :, :span], attn_mask=mask, enable_gqa=True)
+                    outs.append(od.reshape(b, -1))
+                if n:
+                    qp, kp, vp = (t[b:].view(n, width, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+                    kc[slot_idx, :, :width], vc[slot_idx, :, :width] = kp, vp
+                    # Padding sits after each real token, so the causal mask already hides it.
+                    op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+                    outs.append(op.transpose(1, 2).reshape(n * width, -1))
+                return torch.cat(outs) if len(outs) > 1 else outs[0]
             return fn
 
-        x = self.model.model.embed_tokens(torch.tensor(last_tokens))[:, None, :]
+        x = self.model.model.embed_tokens(torch.cat(ids))
         for i, layer in enumerate(self.layers):
             x = self._block(layer, x, attend(i))
-        return self._logits(x[:, 0])
+        if n:
+            x = x[torch.cat([rows, b + torch.arange(n) * width + lens - 1])]
+        return self._logits(x)
 
     def move_rows(self, src: list[int], dst: list[int], length: int) -> None:
         """Row dst[i] of the cache becomes the old row src[i] (its first `length` positions); the rows are
