@@ -62,6 +62,16 @@ def test_prefill_in_the_decode_pass_with_several_chunks_and_first_token_finishes
     assert 1 + steps == 30  # the first two got one token a step, from their prefill on, and outlived the rest
 
 
+def test_prefill_chunks_keep_fresh_prompts_apart_from_long_resumed_inputs():
+    from april_ray.batching import padded_chunks
+
+    lengths = [10] * 19 + [300, 12, 290, 600]
+    assert [len(c) for c in padded_chunks(lengths, 8192)] == [22, 1]  # budget only: 22 rows padded to 300
+    chunks = padded_chunks(lengths, 8192, max_spread=2.0)
+    assert [sorted(lengths[i] for i in c) for c in chunks] == [[10] * 19 + [12], [290, 300], [600]]
+    assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
+
+
 def test_staggered_join_does_not_disturb_running_request(policy):
     model, tok = policy
     engine = LLMEngine(model, max_num_seqs=4, max_model_len=128)
