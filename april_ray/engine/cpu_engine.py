@@ -126,8 +126,9 @@ class LLMEngine:
         t0, c0 = time.perf_counter(), time.thread_time()
         finished: list[GenerateOutput] = []
         fresh = self._admit()
-        # Rows [0, n) decode; the fresh inputs sit after them. All but the last prefill chunk (a step's
-        # admissions rarely fill more than one) run on their own, the last one in the decode pass.
+        # Rows [0, n) decode; the fresh inputs sit after them. Every prefill chunk but the last (at a
+        # step's start: the fresh prompts, then resumed inputs by length class) runs in a pass of its
+        # own; the last one joins the decode pass (mid-step, the one or two prompts that join).
         n = len(self.scheduler.running) - len(fresh)
         chunks = prefill_chunks(fresh, self.scheduler.max_prefill_tokens) if fresh else [[]]
         for chunk in chunks[:-1]:
