@@ -57,49 +57,37 @@ def set_kv_reuse(engines: Engines, enabled: bool) -> None:
     ray.get([e.set_kv_reuse.remote(enabled) for e in engines.actors])
 
 
-class Mode:
-    """One rollout configuration with its own source, store and monitor on the shared engines."""
+class StepLog:
+    """What a rollout bench keeps of each measured step of one mode, and the figures it reports from them
+    (shared by this Ray bench and the in-process one, jobs/bench_schedule.py)."""
 
-    def __init__(self, name: str, cfg: Config, model_path, engines: Engines, kv_reuse: bool = True):
-        self.name, self.cfg, self.engines, self.kv_reuse = name, cfg, engines, kv_reuse
-        self.actors = start_rollout(cfg, model_path, engines)
-        self.wall, self.rows, self.occupancy, self.lengths, self.latencies = 0.0, [], [], [], []
+    def __init__(self, n_samples_per_prompt: int):
+        self.n_samples = n_samples_per_prompt
+        self.wall, self.rows, self.latencies, self.occupancy, self.lengths = 0.0, [], [], [], []
         self.seen, self.duplicated = set(), 0
         self.counters = dict.fromkeys(COUNTERS, 0)
 
-    def step(self, step: int, version: int, measured: bool) -> None:
-        set_kv_reuse(self.engines, self.kv_reuse)
-        before = self.engines.stats(drain=True)
-        t0 = time.perf_counter()
-        result = ray.get(self.actors.monitor.step.remote(step, version))
-        dt = time.perf_counter() - t0
-        after = self.engines.stats(drain=True)
-        if not measured:
-            return
+    def add(self, dt: float, result, store_groups: int, before: list, after: list) -> None:
+        """One step's result, with each engine's stats before and after it (drained after)."""
         self.wall += dt
         for key, field in COUNTERS.items():
             self.counters[key] += sum(getattr(a, field) - getattr(b, field) for a, b in zip(after, before))
-        m = result.metrics
-        self.rows.append(m | {"store_groups": ray.get(self.actors.store.size.remote())})
-        self.latencies.append(m["rollout/abort_latency_s"])
+        self.rows.append(result.metrics | {"store_groups": store_groups})
+        self.latencies.append(result.metrics["rollout/abort_latency_s"])
         self.occupancy.append([s.occupancy for s in after])
-        for group in result.metas:
-            for meta in group:
-                self.duplicated += meta.sample_id in self.seen
-                self.seen.add(meta.sample_id)
-                self.lengths.append(meta.response_len)
+        for meta in (m for group in result.metas for m in group):
+            self.duplicated += meta.sample_id in self.seen
+            self.seen.add(meta.sample_id)
+            self.lengths.append(meta.response_len)
 
-    def result(self) -> dict:
-        actors, rows = self.actors, self.rows
-        taken = ray.get(actors.source.num_groups_taken.remote())
-        counters = ray.get(actors.monitor.counters.remote())
-        stored = ray.get(actors.store.size.remote())
-        actors.shutdown()
+    def summary(self, num_engines: int, groups_unaccounted: int) -> dict:
+        """`groups_unaccounted`: groups taken from the source minus returned, dropped and stored."""
+        rows, wall, c = self.rows, self.wall, self.counters
         trained = sum(r["rollout/trained_tokens"] for r in rows)
         off = sum(r["rollout/off_policy_token_ratio"] * r["rollout/trained_tokens"] for r in rows)
         return {
-            "effective_tok_s": trained / self.wall,
-            "generated_tok_s": sum(r["rollout/generated_tokens"] for r in rows) / self.wall,
+            "effective_tok_s": trained / wall,
+            "generated_tok_s": sum(r["rollout/generated_tokens"] for r in rows) / wall,
             "abort_latency_ms_p99": float(np.percentile(self.latencies, 99) * 1000),
             "abort_latency_ms_p50": float(np.percentile(self.latencies, 50) * 1000),
             "off_policy_token_ratio": off / max(1, trained),
@@ -109,14 +97,42 @@ class Mode:
             "boundary_ms": {part: float(np.mean([r[f"rollout/{key}"] for r in rows]) * 1000)
                             for part, key in (("start", "start_s"), ("abort", "abort_latency_s"), ("store", "store_s"))},
             # Engines inside a step over the rollout wall, and on a core while inside it.
-            "engine_busy_fraction": self.counters["engine_busy_s"] / (self.wall * len(self.engines.actors)),
-            "engine_on_core": self.counters["engine_cpu_s"] / max(1e-9, self.counters["engine_busy_s"]),
-            "wall_s": self.wall, "steps": len(rows), "trained_tokens": trained, **self.counters,
-            "lost_samples": (taken - counters["returned_groups"] - counters["dropped_groups"] - stored)
-            * self.cfg.rollout.n_samples_per_prompt,
+            "engine_busy_fraction": c["engine_busy_s"] / (wall * num_engines),
+            "engine_on_core": c["engine_cpu_s"] / max(1e-9, c["engine_busy_s"]),
+            "prefill_per_decoded": c["engine_prefill_tokens"] / max(1, c["engine_decoded_tokens"]),
+            "wall_s": wall, "steps": len(rows), "trained_tokens": trained, **c,
+            "lost_samples": groups_unaccounted * self.n_samples,
             "duplicated_samples": self.duplicated,
-            "_occupancy": self.occupancy, "_lengths": self.lengths,
         }
+
+
+class Mode:
+    """One rollout configuration with its own source, store and monitor on the shared engines."""
+
+    def __init__(self, name: str, cfg: Config, model_path, engines: Engines, kv_reuse: bool = True):
+        self.name, self.cfg, self.engines, self.kv_reuse = name, cfg, engines, kv_reuse
+        self.actors = start_rollout(cfg, model_path, engines)
+        self.log = StepLog(cfg.rollout.n_samples_per_prompt)
+
+    def step(self, step: int, version: int, measured: bool) -> None:
+        set_kv_reuse(self.engines, self.kv_reuse)
+        before = self.engines.stats(drain=True)
+        t0 = time.perf_counter()
+        result = ray.get(self.actors.monitor.step.remote(step, version))
+        dt = time.perf_counter() - t0
+        after = self.engines.stats(drain=True)
+        if measured:
+            self.log.add(dt, result, ray.get(self.actors.store.size.remote()), before, after)
+
+    def result(self) -> dict:
+        actors = self.actors
+        taken = ray.get(actors.source.num_groups_taken.remote())
+        counters = ray.get(actors.monitor.counters.remote())
+        stored = ray.get(actors.store.size.remote())
+        actors.shutdown()
+        unaccounted = taken - counters["returned_groups"] - counters["dropped_groups"] - stored
+        return {**self.log.summary(len(self.engines.actors), unaccounted),
+                "_occupancy": self.log.occupancy, "_lengths": self.log.lengths}
 
 
 def run_interleaved(modes: list[Mode], engines: Engines, weights_ref, steps: int, warmup_steps: int,

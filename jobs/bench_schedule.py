@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jobs.bench_rollout import COUNTERS, public, with_rollout
+from jobs.bench_rollout import StepLog, public, with_rollout
 from jobs.common import parse, write_result
 from april_ray.config import Config, ConfigError
 from april_ray.data import dataset_paths, read_examples
@@ -57,9 +57,7 @@ class LocalMode:
         self.store = PartialRolloutStore(r.max_staleness, r.stale_policy)
         self.rollout = Rollout(r, LocalPool([self.worker], [cfg.engine.max_num_seqs]), LocalProxy(self.source),
                                LocalProxy(self.store))
-        self.wall, self.rows, self.running, self.latencies = 0.0, [], [], []
-        self.seen, self.duplicated = set(), 0
-        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.log = StepLog(r.n_samples_per_prompt)
 
     async def step(self, step: int, measured: bool) -> None:
         before = self.worker.stats(drain=True)
@@ -67,42 +65,16 @@ class LocalMode:
         result = await self.rollout.step(step, step)
         dt = time.perf_counter() - t0
         after = self.worker.stats(drain=True)
-        if not measured:
-            return
-        self.wall += dt
-        for key, field in COUNTERS.items():
-            self.counters[key] += getattr(after, field) - getattr(before, field)
-        self.rows.append(result.metrics | {"store_groups": len(self.store)})
-        self.latencies.append(result.metrics["rollout/abort_latency_s"])
-        self.running += [n for _, n in after.occupancy]
-        for meta in (m for group in result.metas for m in group):
-            self.duplicated += meta.sample_id in self.seen
-            self.seen.add(meta.sample_id)
+        if measured:
+            self.log.add(dt, result, len(self.store), [before], [after])
 
     def result(self, ceiling: float) -> dict:
-        rows, r = self.rows, self.rollout
-        trained = sum(x["rollout/trained_tokens"] for x in rows)
-        off = sum(x["rollout/off_policy_token_ratio"] * x["rollout/trained_tokens"] for x in rows)
-        effective = trained / self.wall
-        return {
-            "rollout_batch_size": self.cfg.rollout.rollout_batch_size,
-            "over_sampling_batch_size": self.cfg.rollout.over_sampling_batch_size,
-            "effective_tok_s": effective, "utilization": effective / ceiling,
-            "generated_tok_s": sum(x["rollout/generated_tokens"] for x in rows) / self.wall,
-            "running_rows_mean": float(np.mean(self.running or [0])),
-            "engine_busy_fraction": self.counters["engine_busy_s"] / self.wall,
-            "prefill_per_decoded": self.counters["engine_prefill_tokens"] / max(1, self.counters["engine_decoded_tokens"]),
-            "boundary_ms": {part: float(np.mean([x[f"rollout/{key}"] for x in rows]) * 1000)
-                            for part, key in (("start", "start_s"), ("abort", "abort_latency_s"), ("store", "store_s"))},
-            "abort_latency_ms_p99": float(np.percentile(self.latencies, 99) * 1000),
-            "off_policy_token_ratio": off / max(1, trained),
-            "max_staleness": max(x["rollout/staleness_max"] for x in rows),
-            "store_groups_mean": float(np.mean([x["store_groups"] for x in rows])),
-            "wall_s": self.wall, "steps": len(rows), "trained_tokens": trained, **self.counters,
-            "lost_samples": (self.source.num_groups_taken - r.num_returned_groups - r.num_dropped_groups
-                             - len(self.store)) * self.cfg.rollout.n_samples_per_prompt,
-            "duplicated_samples": self.duplicated,
-        }
+        r = self.rollout
+        unaccounted = self.source.num_groups_taken - r.num_returned_groups - r.num_dropped_groups - len(self.store)
+        res = self.log.summary(1, unaccounted)
+        return {"rollout_batch_size": self.cfg.rollout.rollout_batch_size,
+                "over_sampling_batch_size": self.cfg.rollout.over_sampling_batch_size,
+                **res, "utilization": res["effective_tok_s"] / ceiling}
 
 
 async def run(cfg: Config, args, model_path: str) -> dict:
