@@ -19,12 +19,14 @@ class EngineWorkerActor:
                  version: int = 0):
         self.worker = build_worker(engine_cfg, rollout_cfg, task_name, model_path, version)
 
-    async def generate_group(self, step, *samples):
+    async def generate_group(self, step, samples: list):
         """Call with `.options(num_returns=2)`: the metas (for the monitor), then the list of samples
         (for their consumer; see actors/samples.py).
 
-        Samples are values, object refs (positional, so Ray resolves them), or `SampleRef`s to an earlier
-        call's result: a sample interrupted by someone else's abort is re-sent by its handle."""
+        Samples are values, object refs, or `SampleRef`s to an earlier call's result (a sample interrupted
+        by someone else's abort is re-sent by its handle), in one list argument: Ray serializes each
+        top-level argument on its own, and one list cost the monitor ~0.4 ms a call to submit against
+        ~0.6 ms for a group's eight samples as separate arguments."""
         return await self.worker.generate_group(await fetch_async(samples), step)
 
     async def throughput_probe(self, prompts: list[list[int]], concurrency: int, seconds: float):

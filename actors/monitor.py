@@ -27,7 +27,7 @@ class RayEnginePool:
         self.capacities = capacities
 
     def generate(self, engine: int, samples: list, step):
-        meta_ref, samples_ref = self.engines[engine].generate_group.options(num_returns=2).remote(step, *samples)
+        meta_ref, samples_ref = self.engines[engine].generate_group.options(num_returns=2).remote(step, samples)
         return self._meta(meta_ref), [SampleRef(samples_ref, i) for i in range(len(samples))]
 
     @staticmethod
