@@ -87,6 +87,22 @@ def grouping_order(positions: list[int]) -> list[int]:
     return order
 
 
+def _decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, segments, masks) -> torch.Tensor:
+    """Attention of one query per row ([b, heads, head_dim]) over the cache rows 0..b-1, range by range,
+    each over its own span (slices of the cache); returns [b, heads x head_dim]."""
+    b, qd = q.shape[0], q[:, :, None, :]
+    if len(segments) == 1:
+        span = segments[0][2]
+        out = F.scaled_dot_product_attention(qd, kc[:b, :, :span], vc[:b, :, :span], attn_mask=masks[0],
+                                             enable_gqa=True)
+    else:
+        out = torch.empty_like(qd)
+        for (a, e, span), mask in zip(segments, masks):
+            out[a:e] = F.scaled_dot_product_attention(qd[a:e], kc[a:e, :, :span], vc[a:e, :, :span],
+                                                      attn_mask=mask, enable_gqa=True)
+    return out.reshape(b, -1)
+
+
 class ModelRunner:
     def __init__(self, model, num_slots: int, max_model_len: int):
         """`num_slots`: the running batch's slots first, then any slots that park aborted sequences."""
@@ -163,17 +179,7 @@ class ModelRunner:
                 outs = []
                 if b:
                     kc[rows, :, dpos], vc[rows, :, dpos] = k[:b], v[:b]
-                    qd = q[:b, :, None, :]
-                    if len(segments) == 1:
-                        span = segments[0][2]
-                        od = F.scaled_dot_product_attention(qd, kc[:b, :, :span], vc[:b, :, :span],
-                                                            attn_mask=masks[0], enable_gqa=True)
-                    else:
-                        od = torch.empty_like(qd)
-                        for (a, e, span), mask in zip(segments, masks):
-                            od[a:e] = F.scaled_dot_product_attention(
-                                qd[a:e], kc[a:e, :, :span], vc[a:e, :, :span], attn_mask=mask, enable_gqa=True)
-                    outs.append(od.reshape(b, -1))
+                    outs.append(_decode_attention(q[:b], kc, vc, segments, masks))
                 if n:
                     qp, kp, vp = (t[b:].view(n, width, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
                     kc[slot_idx, :, :width], vc[slot_idx, :, :width] = kp, vp
