@@ -48,7 +48,9 @@ class LLMEngine:
         self.scheduler = Scheduler(max_num_seqs, max_prefill_tokens)
         self.parked = ParkedKV(max_num_seqs, num_park_slots, kv_reuse_max_staleness)
         self.kv_reuse = True
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(self.runner.device).manual_seed(seed)
+        self.released: set[str] = set()
+        """Memory given back by `release_memory` ('kv_cache', 'weights') and not resumed yet."""
         self.version = version
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
@@ -63,6 +65,9 @@ class LLMEngine:
         """Validate and queue; a bad request raises ValueError and leaves the engine untouched."""
         ids, sp = request.input_ids, request.sampling
         rid = request.request_id
+        if self.released:
+            raise ValueError(f"request {rid}: the engine's {' and '.join(sorted(self.released))} memory is "
+                             "released; resume it first")
         if not ids:
             raise ValueError(f"request {rid}: input_ids is empty")
         if len(ids) >= self.max_model_len:
@@ -113,6 +118,40 @@ class LLMEngine:
                 self.runner.model.load_state_dict(state_dict, strict=True)
         self.version = version
         self.parked.expire(version)
+
+    def flush_cache(self) -> None:
+        """Drop every parked KV cache (a resumed request re-prefills). Only between requests."""
+        if self.has_work():
+            raise RuntimeError("flush_cache: requests are running or waiting")
+        self.parked.clear()
+
+    def release_memory(self, tags: list[str]) -> None:
+        """Give memory back while idle (a colocated learner trains meanwhile): 'kv_cache' frees the KV cache
+        (parked caches included), 'weights' frees the parameters' storage, keeping their shapes. Like
+        SGLang without a CPU backup, resumed weights are zeros until the next weight update. 'cuda_graph':
+        this engine captures none, nothing to free."""
+        if self.has_work():
+            raise RuntimeError("release_memory: requests are running or waiting")
+        tags = set(tags)
+        if "kv_cache" in tags and "kv_cache" not in self.released:
+            self.parked.clear()
+            self.runner.free_cache()
+        if "weights" in tags and "weights" not in self.released:
+            self._weight_shapes = {n: p.shape for n, p in self.runner.model.named_parameters()}
+            for p in self.runner.model.parameters():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.released |= tags & {"kv_cache", "weights"}
+
+    def resume_memory(self, tags: list[str]) -> None:
+        tags = set(tags) & self.released
+        if "kv_cache" in tags:
+            self.runner.allocate_cache()
+        if "weights" in tags:
+            params = dict(self.runner.model.named_parameters())
+            for name, shape in self._weight_shapes.items():
+                p = params[name]
+                p.data = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.released -= tags
 
     def set_kv_reuse(self, enabled: bool) -> None:
         """Off: aborts park nothing and resumes re-prefill; caches already parked stay for when it is back
@@ -192,12 +231,12 @@ class LLMEngine:
         return 1 if hit else seq.num_tokens
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[GenerateOutput]:
-        params = [s.request.sampling for s in seqs]
+        params, dev = [s.request.sampling for s in seqs], logits.device
         tokens, logprobs = sample(
             logits,
-            torch.tensor([p.temperature for p in params]),
-            torch.tensor([p.top_p for p in params]),
-            torch.tensor([p.top_k for p in params]),
+            torch.tensor([p.temperature for p in params], device=dev),
+            torch.tensor([p.top_p for p in params], device=dev),
+            torch.tensor([p.top_k for p in params], device=dev),
             self.generator,
         )
         self.num_generated_tokens += len(seqs)

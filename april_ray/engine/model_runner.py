@@ -105,7 +105,8 @@ def _decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, segme
 
 class ModelRunner:
     def __init__(self, model, num_slots: int, max_model_len: int):
-        """`num_slots`: the running batch's slots first, then any slots that park aborted sequences."""
+        """`num_slots`: the running batch's slots first, then any slots that park aborted sequences. The
+        runner works on the model's device (CPU here; the HTTP server also serves it from a GPU)."""
         cfg = model.config
         if cfg.hidden_act != "silu":
             raise ValueError(f"model config hidden_act={cfg.hidden_act!r}: the CPU engine runs Qwen3's SiLU MLP only")
@@ -115,15 +116,28 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_model_len = max_model_len
-        dtype = next(model.parameters()).dtype
-        shape = (len(self.layers), num_slots, self.num_kv_heads, max_model_len, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype)
-        self.v_cache = torch.zeros(shape, dtype=dtype)
+        param = next(model.parameters())  # the model's device and dtype are the cache's and the inputs'
+        self.dtype, self.device = param.dtype, param.device
+        self.cache_shape = (len(self.layers), num_slots, self.num_kv_heads, max_model_len, self.head_dim)
+        self.allocate_cache()
         theta = cfg.rope_parameters["rope_theta"]
         inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
         freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        emb = torch.cat((freqs, freqs), dim=-1).to(self.device)
+        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def allocate_cache(self) -> None:
+        self.k_cache = torch.zeros(self.cache_shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(self.cache_shape, dtype=self.dtype, device=self.device)
+
+    def free_cache(self) -> None:
+        """Give the KV cache's memory back (a colocated learner trains meanwhile); `allocate_cache` makes a
+        new, empty one."""
+        self.k_cache = self.v_cache = None
+
+    @property
+    def has_cache(self) -> bool:
+        return self.k_cache is not None
 
     def _qkv(self, attn, h: torch.Tensor, cos, sin):
         """Queries, keys, values of a flat batch of tokens [T, hidden] -> [T, heads, head_dim], rotated."""
@@ -153,7 +167,7 @@ class ModelRunner:
         Prefilling in the decode step's pass, as SGLang's mixed batches do, shares every projection,
         norm and MLP op between the two: at this size a separate prefill pass for a few fresh prompts
         cost half a 64-row decode step (jobs/bench_schedule profiles, BENCHMARKS.md)."""
-        b, n = len(last_tokens), len(token_lists)
+        b, n, dev = len(last_tokens), len(token_lists), self.device
         ids, pos = [torch.tensor(last_tokens, dtype=torch.long)], [torch.tensor(positions, dtype=torch.long)]
         if n:
             lens = torch.tensor([len(t) for t in token_lists])
@@ -163,13 +177,13 @@ class ModelRunner:
                 padded[row, : len(toks)] = torch.tensor(toks)
             ids.append(padded.view(-1))
             pos.append(torch.arange(width).repeat(n))
-            slot_idx = torch.tensor(slots)
-        flat_pos = torch.cat(pos)
+            slot_idx, lens = torch.tensor(slots, device=dev), lens.to(dev)
+        flat_pos = torch.cat(pos).to(dev)
         cos, sin = self.cos[flat_pos][:, None, :], self.sin[flat_pos][:, None, :]
-        dpos, rows = flat_pos[:b], torch.arange(b)
+        dpos, rows = flat_pos[:b], torch.arange(b, device=dev)
         # Additive masks, built once a pass (a boolean one is converted inside every attention call).
-        masks = [torch.zeros(e - a, 1, 1, span, dtype=self.k_cache.dtype)
-                 .masked_fill_(torch.arange(span) > dpos[a:e, None, None, None], float("-inf"))
+        masks = [torch.zeros(e - a, 1, 1, span, dtype=self.k_cache.dtype, device=dev)
+                 .masked_fill_(torch.arange(span, device=dev) > dpos[a:e, None, None, None], float("-inf"))
                  for a, e, span in segments]
 
         def attend(layer_idx):
@@ -189,17 +203,17 @@ class ModelRunner:
                 return torch.cat(outs) if len(outs) > 1 else outs[0]
             return fn
 
-        x = self.model.model.embed_tokens(torch.cat(ids))
+        x = self.model.model.embed_tokens(torch.cat(ids).to(dev))
         for i, layer in enumerate(self.layers):
             x = self._block(layer, x, attend(i))
         if n:
-            x = x[torch.cat([rows, b + torch.arange(n) * width + lens - 1])]
+            x = x[torch.cat([rows, b + torch.arange(n, device=dev) * width + lens - 1])]
         return self._logits(x)
 
     def move_rows(self, src: list[int], dst: list[int], length: int) -> None:
         """Row dst[i] of the cache becomes the old row src[i] (its first `length` positions); the rows are
         read before any is written, so src and dst may overlap (a permutation of some rows)."""
-        s, d = torch.tensor(src), torch.tensor(dst)
+        s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
         self.k_cache[:, d, :, :length] = self.k_cache[:, s, :, :length]
         self.v_cache[:, d, :, :length] = self.v_cache[:, s, :, :length]
 

@@ -161,6 +161,11 @@ class ParkedKV:
             self.free.append(entry.slot)
         return entry
 
+    def clear(self) -> None:
+        for entry in self.entries.values():
+            self.free.append(entry.slot)
+        self.entries.clear()
+
     def expire(self, version: int) -> None:
         for key in [k for k, e in self.entries.items() if version - e.version > self.max_staleness]:
             self.free.append(self.entries.pop(key).slot)

@@ -1,0 +1,186 @@
+"""Moving weights from a learner into inference servers, both ends: by broadcast and by tensor handoff.
+
+**Broadcast** (disaggregated layouts). The learner's rank 0 (rank 0) and every server (ranks
+`rank_offset...`) form a process group of their own, the way SGLang's `init_weights_update_group` builds
+it (`init_custom_process_group`: a TCP rendezvous under a prefix of the group's name, a process group
+that is never the default one), so the learner's own DeepSpeed group is untouched. Metadata (names,
+dtypes, shapes) travels over HTTP, one request per bucket; the tensors travel by `broadcast` from rank 0.
+The same code runs gloo on CPU and NCCL on GPU: only the backend name and the tensors' device differ.
+
+**Tensor handoff** (colocated layouts). The learner serializes `(name, tensor)` pairs with torch's
+multiprocessing reductions, as SGLang's `MultiprocessingSerializer` does: a CUDA tensor becomes a CUDA IPC
+handle, a CPU tensor a shared-memory file name, so only handles cross HTTP (base64, in
+`serialized_named_tensors`). The receiver unpickles with an allow-list of torch's rebuild functions and
+plain containers, nothing else.
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from multiprocessing.reduction import ForkingPickler
+
+
+DEFAULT_GROUP = "weight_update_group"
+
+
+def init_custom_process_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
+                              group_name: str, timeout_s: float = 300.0):
+    """A process group of its own (never the default one): rendezvous on master_address:master_port,
+    where rank 0 hosts the store. Mirrors SGLang's `init_custom_process_group`, so a learner built on it
+    broadcasts into a real SGLang server, and our server receives from a learner that uses SGLang's."""
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
+                                      group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_group(pg) -> None:
+    dist.destroy_process_group(pg)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """SGLang's wire name of a dtype: 'bfloat16', 'float32' (its receiver calls getattr(torch, name))."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+@dataclass
+class Bucket:
+    """One `/update_weights_from_distributed` request: the metadata of the tensors broadcast after it."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+
+def buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of tensors of at most `bucket_bytes` each (a larger tensor goes alone)."""
+    out: list[list[tuple[str, torch.Tensor]]] = []
+    size = 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if not out or size + n > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append((name, t))
+        size += n
+    return out
+
+
+def bucket_meta(bucket: list[tuple[str, torch.Tensor]]) -> Bucket:
+    return Bucket([n for n, _ in bucket], [dtype_name(t.dtype) for _, t in bucket],
+                  [list(t.shape) for _, t in bucket])
+
+
+def broadcast_bucket(pg, bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> None:
+    """Sender side of one bucket: rank 0 broadcasts each tensor, in order, as the receivers expect."""
+    for _, t in bucket:
+        dist.broadcast(t.detach().to(device).contiguous(), src=0, group=pg)
+
+
+def receive_bucket(pg, meta: Bucket, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """Receiver side of one bucket: empty tensors of the announced dtypes and shapes, filled by rank 0."""
+    if not len(meta.names) == len(meta.dtypes) == len(meta.shapes):
+        raise ValueError(f"names, dtypes and shapes differ in length: {len(meta.names)}, {len(meta.dtypes)}, "
+                         f"{len(meta.shapes)}")
+    out = []
+    for name, dt, shape in zip(meta.names, meta.dtypes, meta.shapes):
+        t = torch.empty(shape, dtype=parse_dtype(dt), device=device)
+        dist.broadcast(t, src=0, group=pg)
+        out.append((name, t))
+    return out
+
+
+# -- tensor handoff -------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _file_system_sharing():
+    """CPU storages shared by file name: a file descriptor (torch's default strategy) can only be passed to
+    a child that shares our authkey, and the server is an unrelated process."""
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(before)
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> tuple[str, list[torch.Tensor]]:
+    """(base64 payload for one TP rank's `serialized_named_tensors`, the tensors it points to). The
+    caller keeps the tensors alive until the server has answered: the payload holds handles, not data.
+    CPU tensors are copied into shared memory first, so the learner's own parameters never move."""
+    shared = [(n, t.detach() if t.is_cuda else t.detach().clone()) for n, t in named]
+    buf = io.BytesIO()
+    with _file_system_sharing():
+        ForkingPickler(buf).dump(shared)
+    return base64.b64encode(buf.getvalue()).decode("ascii"), [t for _, t in shared]
+
+
+_ALLOWED = {
+    ("builtins", name) for name in ("list", "tuple", "dict", "int", "float", "str", "bool", "bytes")
+} | {
+    ("collections", "OrderedDict"),
+    ("torch", "Size"), ("torch", "device"), ("torch", "Tensor"), ("torch", "UntypedStorage"),
+    ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
+    ("torch.nn.parameter", "Parameter"),
+    ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+} | {
+    ("torch.multiprocessing.reductions", name) for name in (
+        "rebuild_tensor", "rebuild_cuda_tensor", "rebuild_typed_storage", "rebuild_typed_storage_child",
+        "rebuild_storage_filename", "rebuild_storage_empty", "rebuild_meta_tensor")
+}
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Only torch's tensor-rebuilding functions, dtypes and plain containers: a payload is handles to
+    tensors, and anything else in it is refused (an HTTP body must never run code)."""
+
+    def find_class(self, module, name):
+        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"serialized_named_tensors: {module}.{name} is not allowed in a tensor payload")
+
+
+def deserialize_named_tensors(payload: str | bytes) -> list[tuple[str, torch.Tensor]]:
+    raw = base64.b64decode(payload, validate=True) if isinstance(payload, str) else bytes(payload)
+    named = _TensorUnpickler(io.BytesIO(raw)).load()
+    if not isinstance(named, list) or not all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
+            for p in named):
+        raise ValueError("serialized_named_tensors: expected a list of (name, tensor) pairs")
+    return named
+
+
+def load_named_tensors(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy tensors into the model's parameters and buffers by state-dict name, in place (any subset: a
+    bucket carries part of the model). An unknown name or a wrong shape fails before anything is copied."""
+    targets = model.state_dict(keep_vars=True)
+    for name, t in named:
+        if name not in targets:
+            raise ValueError(f"weight {name!r} is not a parameter of the served model")
+        if tuple(targets[name].shape) != tuple(t.shape):
+            raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} does not match the model's "
+                             f"{tuple(targets[name].shape)}")
+    with torch.no_grad():
+        for name, t in named:
+            targets[name].data.copy_(t)
