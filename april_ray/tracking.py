@@ -1,4 +1,7 @@
-"""Metrics out of a job: wandb (offline unless configured), a progress bar, and a JSONL file.
+"""Metrics out of a job: wandb (offline unless configured), progress on the console, and a JSONL file.
+
+Progress is a tqdm bar in a terminal and one plain line per step anywhere else (a Ray job's log, a pipe,
+a file), so a job log holds readable lines, not a stream of carriage returns.
 
 Metric keys (documented in docs/architecture.md): `rollout/*` from the monitor (throughput, abort
 latency, off-policy ratio, staleness, groups by door), `train/*`, `loss/*` and `off_policy/*` from the
@@ -8,12 +11,50 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
 from tqdm import tqdm
 
 from april_ray.config import Config
+
+
+class LineProgress:
+    """tqdm's interface as plain lines on stdout: one per `update`, and one for a refreshed postfix."""
+
+    def __init__(self, total: int, initial: int = 0, desc: str = ""):
+        self.n, self.total, self.desc = initial, total, desc
+        self.postfix: dict[str, str] = {}
+        self.t0 = time.perf_counter()
+
+    def set_postfix(self, postfix: dict[str, str], refresh: bool = True) -> None:
+        self.postfix = dict(postfix)
+        if refresh:
+            self._line("done" if self.n >= self.total else f"step {self.n}/{self.total}")
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        self._line(f"step {self.n}/{self.total}")
+
+    def _line(self, head: str) -> None:
+        fields = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+        self.write(f"{self.desc} {head} [{time.perf_counter() - self.t0:.0f}s] {fields}".rstrip())
+
+    @staticmethod
+    def write(text: str) -> None:
+        print(text, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def progress(total: int, initial: int = 0, desc: str = "april-ray"):
+    """A tqdm bar where it draws (its stream, stderr, is a terminal), else `LineProgress`."""
+    if sys.stderr.isatty():
+        return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
+    return LineProgress(total, initial, desc)
 
 
 class Tracker:
@@ -26,7 +67,7 @@ class Tracker:
             self.run = wandb.init(project=cfg.logging.project, mode=cfg.logging.wandb_mode, dir=str(out_dir),
                                   config=asdict(cfg), resume="allow" if resume else None)
         self.file = open(out_dir / "metrics.jsonl", "a")
-        self.bar = tqdm(total=total_steps, initial=initial_step, desc="april-ray", dynamic_ncols=True)
+        self.bar = progress(total_steps, initial_step)
         self.shown: dict[str, float] = {}
 
     def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
