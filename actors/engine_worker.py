@@ -1,4 +1,4 @@
-"""EngineWorker actor: an async shell around `april_ray.engine_worker.EngineWorker`.
+"""EngineWorker actor: an async shell around `april_ray.rollout.engine_worker.EngineWorker`.
 
 One actor per engine; it serves many concurrent `generate_group` calls on its event loop. A call returns
 two object refs: the small `SampleMeta`s that the monitor reads, and the samples, which only their
@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import ray
 
-from actors.samples import fetch_async
-from april_ray.config import EngineConfig, RolloutConfig
-from april_ray.engine_worker import build_worker
+from actors.refs import fetch_async
+from april_ray.config import EngineConfig, SamplingConfig, StalenessConfig
+from april_ray.rollout.engine_worker import build_worker
 
 
 @ray.remote
 class EngineWorkerActor:
-    def __init__(self, engine_cfg: EngineConfig, rollout_cfg: RolloutConfig, task_name: str, model_path: str,
-                 version: int = 0):
-        self.worker = build_worker(engine_cfg, rollout_cfg, task_name, model_path, version)
+    def __init__(self, engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig,
+                 task_name: str, model_path: str, version: int = 0):
+        self.worker = build_worker(engine_cfg, sampling_cfg, staleness, task_name, model_path, version)
 
     async def generate_group(self, step, samples: list):
         """Call with `.options(num_returns=2)`: the metas (for the monitor), then the list of samples
-        (for their consumer; see actors/samples.py).
+        (for their consumer; see actors/refs.py).
 
         Samples are values, object refs, or `SampleRef`s to an earlier call's result (a sample interrupted
         by someone else's abort is re-sent by its handle), in one list argument: Ray serializes each
@@ -42,7 +42,8 @@ class EngineWorkerActor:
         self.worker.update_weights(state_dict, version)
 
     async def set_kv_reuse(self, enabled: bool) -> None:
-        self.worker.set_kv_reuse(enabled)
+        """Benchmark switch of the CPU engine (jobs/bench/rollout.py's `april_recompute` mode)."""
+        self.worker.engine.set_kv_reuse(enabled)
 
     async def where(self) -> tuple[str, list[str]]:
         """(node id, accelerator ids Ray assigned to this actor)."""

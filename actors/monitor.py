@@ -1,4 +1,4 @@
-"""CompletionMonitor actor: runs `april_ray.rollout.Rollout` against engine, source and store actors."""
+"""CompletionMonitor actor: runs `april_ray.rollout.monitor.CompletionMonitor` against engine, source and store actors."""
 from __future__ import annotations
 
 import asyncio
@@ -6,9 +6,9 @@ import asyncio
 import ray
 from ray.exceptions import RayActorError
 
-from actors.samples import SampleRef, as_handles
+from actors.refs import SampleRef, as_handles
 from april_ray.config import RolloutConfig
-from april_ray.rollout import EngineFailure, Rollout
+from april_ray.rollout.monitor import CompletionMonitor, EngineFailure
 
 
 class RayProxy:
@@ -48,19 +48,19 @@ class RayEnginePool:
 @ray.remote(num_cpus=0)
 class CompletionMonitorActor:
     def __init__(self, cfg: RolloutConfig, engines, capacities: list[int], source, store):
-        self.rollout = Rollout(cfg, RayEnginePool(engines, capacities), RayProxy(source), RayProxy(store))
+        self.monitor = CompletionMonitor(cfg, RayEnginePool(engines, capacities), RayProxy(source), RayProxy(store))
 
     async def step(self, step: int, version: int):
-        result = await self.rollout.step(step, version)
+        result = await self.monitor.step(step, version)
         # Groups carried over from the store (after a monitor restart) hold values: give them handles too.
         result.groups = as_handles(result.groups)
         result.dropped_groups = as_handles(result.dropped_groups)
         return result
 
     async def counters(self) -> dict:
-        return {"returned_groups": self.rollout.num_returned_groups,
-                "dropped_groups": self.rollout.num_dropped_groups, "alive_engines": self.rollout.alive}
+        return {"returned_groups": self.monitor.num_returned_groups,
+                "dropped_groups": self.monitor.num_dropped_groups, "alive_engines": self.monitor.alive}
 
     async def restore_counters(self, counters: dict) -> None:
-        self.rollout.num_returned_groups = counters["returned_groups"]
-        self.rollout.num_dropped_groups = counters["dropped_groups"]
+        self.monitor.num_returned_groups = counters["returned_groups"]
+        self.monitor.num_dropped_groups = counters["dropped_groups"]

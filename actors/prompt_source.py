@@ -1,9 +1,9 @@
-"""PromptSource actor: a shell around `april_ray.prompt_source.PromptSource`."""
+"""PromptSource actor: a shell around `april_ray.rollout.prompt_source.PromptSource`."""
 from __future__ import annotations
 
 import ray
 
-from april_ray.prompt_source import PromptSource
+from april_ray.rollout.prompt_source import PromptSource
 
 
 @ray.remote(num_cpus=0)
@@ -12,7 +12,7 @@ class PromptSourceActor:
                  max_response_len: int, seed: int):
         from transformers import AutoTokenizer
 
-        from april_ray.data import read_examples
+        from april_ray.task.data import read_examples
 
         tok = AutoTokenizer.from_pretrained(model_path)
         self.source = PromptSource(read_examples(data_path, prompt_key, answer_key), tok.encode, n_samples,

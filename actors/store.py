@@ -1,4 +1,4 @@
-"""PartialRolloutStore actor: a shell around `april_ray.store.PartialRolloutStore`.
+"""PartialRolloutStore actor: a shell around `april_ray.rollout.store.PartialRolloutStore`.
 
 Groups arrive with object refs in place of samples; the store fetches them itself, so the values live
 here (and in checkpoints) and do not depend on the monitor that created the refs staying alive.
@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import ray
 
-from actors.samples import fetch
-from april_ray.store import PartialRolloutStore, resolve_groups
+from actors.refs import fetch
+from april_ray.config import StalenessConfig
+from april_ray.rollout.store import PartialRolloutStore, resolve_groups
 
 
 def _fetch(groups):
@@ -20,8 +21,8 @@ def _fetch(groups):
 
 @ray.remote(num_cpus=0)
 class StoreActor:
-    def __init__(self, max_staleness: int, stale_policy: str):
-        self.store = PartialRolloutStore(max_staleness, stale_policy)
+    def __init__(self, staleness: StalenessConfig):
+        self.store = PartialRolloutStore(staleness.max_versions, staleness.policy)
 
     def put_partial(self, groups) -> None:
         self.store.put_partial(_fetch(groups))

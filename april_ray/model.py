@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3
 
 from april_ray.batching import padded_chunks
 from april_ray.config import Config, ModelConfig
-from april_ray.data import dataset_paths, read_examples
-from april_ray.tokenizer import build_tokenizer
+from april_ray.task.data import dataset_paths, read_examples
+from april_ray.task.tokenizer import build_tokenizer
 
 
 def build_random_model(cfg: ModelConfig, vocab_size: int, pad_id: int, eos_id: int, seed: int = 0):

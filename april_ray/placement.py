@@ -39,7 +39,7 @@ def learner_bundle(cfg: Config) -> dict[str, float]:
 
 
 def plan(cfg: Config) -> Layout:
-    n, r = cfg.rollout.num_engines, cfg.learner.num_ranks
+    n, r = cfg.engine.num_engines, cfg.learner.num_ranks
     if cfg.placement.colocate:
         # One bundle per engine holds its GPUs; the engine and learner rank i each ask half of it, so
         # Ray places both on the same devices (CUDA_VISIBLE_DEVICES is the same for both).

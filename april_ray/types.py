@@ -2,13 +2,14 @@
 
 Every generated token carries three facts recorded at the engine: its id, the behaviour logprob it was
 sampled with, and the policy version of the weights that produced it. Partial samples keep all three and
-are resumed from token ids, never from re-tokenised text (the APRIL reference code re-tokenised and
-drifted; see DESIGN-NOTES, items 1 to 4).
+are resumed from token ids, never from re-tokenised text: re-tokenising `prompt + response` text can
+change the token count, and with it the remaining budget and the per-token records.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class FinishReason(str, enum.Enum):
@@ -50,6 +51,8 @@ class GenerateOutput:
     versions: list[int]
     """Policy version of the weights that sampled each id, one per id."""
     finish_reason: FinishReason
+    cached_tokens: int = 0
+    """Input tokens whose KV cache was reused instead of prefilled (SGLang's meta_info.cached_tokens)."""
 
     @property
     def num_tokens(self) -> int:
@@ -156,3 +159,21 @@ class Group:
     @property
     def is_complete(self) -> bool:
         return all(s.state == SampleState.FINISHED for s in self.samples)
+
+
+@dataclass
+class StepResult:
+    """What one rollout step hands the driver: N complete groups, as sample handles (object refs on Ray)."""
+
+    step: int
+    groups: list[list[Any]]
+    """N groups, each a list of sample handles; a learner rank fetches the values of its share."""
+    metas: list[list[SampleMeta]]
+    metrics: dict[str, float]
+    staleness: dict[int, int]
+    """Response tokens in the batch by age in versions (0 = on-policy)."""
+    returned_group_ids: list[str] = field(default_factory=list)
+    dropped: dict[str, str] = field(default_factory=dict)
+    """Group id -> reason, for complete groups the dynamic filter dropped this step."""
+    dropped_groups: list[list[Any]] = field(default_factory=list)
+    """Their sample handles, in `dropped` order: filtered groups are kept for the consumer, not discarded."""

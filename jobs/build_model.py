@@ -4,32 +4,27 @@
 """
 from __future__ import annotations
 
+import asyncio
 import json
 
-import torch
-
 from jobs.common import parse
-from april_ray.data import dataset_paths, read_examples
-from april_ray.engine.cpu_engine import LLMEngine
-from april_ray.evaluate import accuracy
-from april_ray.model import ensure_model, load_policy
-from april_ray.rewards import get_reward_fn
-from april_ray.task import max_response_tokens
+from april_ray.model import ensure_model
+from april_ray.rollout.engine_worker import build_worker
+from april_ray.task.data import dataset_paths, read_examples
+from april_ray.task.evaluate import accuracy, eval_items
+
+
+async def held_out_accuracy(cfg, path) -> dict[str, float]:
+    worker = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task.name, str(path))
+    _, eval_path = dataset_paths(cfg.task, cfg.model.cache_dir)
+    items = eval_items(read_examples(eval_path, cfg.task.prompt_key, cfg.task.answer_key), worker.encode)
+    return {"accuracy_t1": await accuracy(worker, items, 1.0), "accuracy_greedy": await accuracy(worker, items, 0.0)}
 
 
 def main() -> None:
     cfg, _ = parse(__doc__)
     path = ensure_model(cfg)
-    model, tok = load_policy(path)
-    torch.set_num_threads(cfg.warmup.num_threads)
-    _, eval_path = dataset_paths(cfg.task, cfg.model.cache_dir)
-    examples = read_examples(eval_path, cfg.task.prompt_key, cfg.task.answer_key)
-    engine = LLMEngine(model, cfg.engine.max_num_seqs, cfg.engine.max_model_len, seed=cfg.engine.seed)
-    reward = get_reward_fn(cfg.task.name)
-    budget = max_response_tokens(cfg.task.length)
-    result = {"model": str(path), "params": sum(p.numel() for p in model.parameters()),
-              "accuracy_t1": accuracy(engine, tok, examples, reward, 1.0, budget),
-              "accuracy_greedy": accuracy(engine, tok, examples, reward, 0.0, budget)}
+    result = {"model": str(path), **asyncio.run(held_out_accuracy(cfg, path))}
     print(json.dumps(result, indent=2))
 
 

@@ -6,7 +6,8 @@ import json
 import os
 from pathlib import Path
 
-# Every Ray listener on 127.0.0.1, no usage stats, one auth mode everywhere (see shared ENVIRONMENT.md).
+# Every Ray listener on 127.0.0.1 (Ray otherwise takes the machine's address), no usage stats, and one
+# auth mode everywhere (a local ray.init turns token auth on, which `ray job submit` then lacks).
 for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
                    "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(key, value)
@@ -26,20 +27,18 @@ def parse(description: str, extra=None) -> tuple[Config, argparse.Namespace]:
         parser.error(str(e))
 
 
-def init_ray(cfg: Config, address: str | None = None) -> None:
+def init_ray(layout, address: str | None = None) -> None:
     """Join the cluster when there is one (`ray job submit`, RAY_ADDRESS), else start a local one.
 
     A local cluster gets enough logical CPUs for every bundle of the job's placement group (plus one
     for the driver-side actors), even on a 2-core laptop: the processes share the cores."""
     import ray
 
-    from april_ray.placement import plan
-
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
         return
-    need = sum(b.get("CPU", 0) for b in plan(cfg).bundles) + 1
+    need = sum(b.get("CPU", 0) for b in layout.bundles) + 1
     ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False)
 
 

@@ -17,12 +17,14 @@ from pathlib import Path
 import ray
 
 from jobs.common import init_ray, parse, write_result
-from actors.job import Evaluator, latest_checkpoint, restore_checkpoint, save_checkpoint
-from actors.learner import LearnerGroup
-from actors.system import start_engines, start_rollout
 from april_ray.config import to_yaml
-from april_ray.model import ensure_model
 from april_ray.tracking import Tracker
+from driver.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
+from driver.engines import EngineGroup
+from driver.evaluator import Evaluator
+from driver.learners import LearnerGroup
+from driver.rollout import RolloutGroup
+from driver.setup import prepare
 
 
 def staleness_metrics(hist: dict[int, int]) -> dict[str, float]:
@@ -36,14 +38,14 @@ def train(cfg) -> dict:
     out = Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
-    model_path = ensure_model(cfg)
+    job = prepare(cfg)  # model, data and placement plan, once
     if not ray.is_initialized():
-        init_ray(cfg)
+        init_ray(job.layout)
 
-    engines = start_engines(cfg, model_path)
-    rollout = start_rollout(cfg, model_path, engines)
-    learners = LearnerGroup(cfg, model_path, engines)
-    evaluator = Evaluator(cfg, engines, model_path)
+    engines = EngineGroup.start(cfg, job.model_path, job.layout)
+    rollout = RolloutGroup.start(cfg, job.model_path, job.train_path, engines)
+    learners = LearnerGroup(cfg, job.model_path, engines)
+    evaluator = Evaluator(cfg, engines, job.model_path, job.eval_path)
 
     start, version = 0, 0
     ckpt = latest_checkpoint(out) if cfg.train.resume else None

@@ -14,7 +14,7 @@ def random_model_dir(tmp_path_factory):
     """A randomly initialised tiny Qwen3 + char tokenizer, saved as an HF directory (engine tests)."""
     from april_ray.config import ModelConfig
     from april_ray.model import build_random_model
-    from april_ray.tokenizer import build_tokenizer
+    from april_ray.task.tokenizer import build_tokenizer
 
     out = tmp_path_factory.mktemp("random-model")
     tok = build_tokenizer()

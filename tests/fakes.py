@@ -1,16 +1,16 @@
 """Fakes for testing the rollout without Ray: an engine with token-granular continuous batching whose
 response length is encoded in the prompt (its first id), and the rollout wired on it in process
-(`april_ray.local`)."""
+(`april_ray.rollout.local`)."""
 from __future__ import annotations
 
 import asyncio
 import random
 
-from april_ray.data import Example
-from april_ray.engine_worker import EngineWorker
-from april_ray.prompt_source import PromptSource
-from april_ray.local import LocalPool, LocalProxy
-from april_ray.store import PartialRolloutStore
+from april_ray.task.data import Example
+from april_ray.rollout.engine_worker import EngineWorker
+from april_ray.rollout.prompt_source import PromptSource
+from april_ray.rollout.local import LocalPool, LocalProxy
+from april_ray.rollout.store import PartialRolloutStore
 from april_ray.types import FinishReason, GenerateOutput, SamplingParams
 
 TOKEN = 7
@@ -88,14 +88,14 @@ def parity_reward(prompt, text, answer):
 
 def make_rollout_parts(cfg, num_examples=500, seed=0, num_engines=2, cap=16, tick=0.0002, abort_delay=0.0,
                        reward_fn=parity_reward):
-    from april_ray.rollout import Rollout
+    from april_ray.rollout.monitor import CompletionMonitor
 
     engines = [FakeEngine(tick, seed + e, cap) for e in range(num_engines)]
     sp = SamplingParams(temperature=1.0)
     workers = [EngineWorker(e, lambda ids: "x" * len(ids), reward_fn, sp) for e in engines]
     pool = LocalPool(workers, [cap] * num_engines, abort_delay)
     source = PromptSource(length_examples(num_examples, seed), lambda text: [int(text)],
-                          cfg.n_samples_per_prompt, cfg.max_response_len, seed)
-    store = PartialRolloutStore(cfg.max_staleness, cfg.stale_policy)
-    rollout = Rollout(cfg, pool, LocalProxy(source), LocalProxy(store))
+                          cfg.rollout.n_samples_per_prompt, cfg.sampling.max_response_len, seed)
+    store = PartialRolloutStore(cfg.staleness.max_versions, cfg.staleness.policy)
+    rollout = CompletionMonitor(cfg.rollout, pool, LocalProxy(source), LocalProxy(store))
     return rollout, pool, source, store, engines

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from april_ray import algorithms as algo
+from april_ray.learn import algorithms as algo
 
 
 def test_group_advantages_by_hand():

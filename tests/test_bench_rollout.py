@@ -14,11 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_rollout_runs_every_mode_and_the_sweep(tmp_path, random_model_dir):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "jobs.bench_rollout", "--json", str(out), "--steps", "2", "--warmup-steps", "1",
+    cmd = [sys.executable, "-m", "jobs.bench.rollout", "--json", str(out), "--steps", "2", "--warmup-steps", "1",
            "--probe-every", "1", "--probe-seconds", "0.5", "--sweep", "--sweep-steps", "1",
            "--out-dir", str(tmp_path / "plots"), f"model.path={random_model_dir}", f"model.cache_dir={tmp_path}",
            "task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=4",
-           "rollout.over_sampling_batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=24",
+           "rollout.over_sampling_batch_size=4", "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24",
            "engine.max_model_len=64", "engine.max_num_seqs=16", "engine.park_slots=16"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True,
                           timeout=600)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from april_ray.config import ConfigError, load_config
-from jobs.bench_schedule import per_engine
+from jobs.bench.schedule import per_engine
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_per_engine_share_of_the_ray_run():
     cfg = load_config(None, ["rollout.rollout_batch_size=16", "rollout.over_sampling_batch_size=24",
-                             "rollout.num_engines=2"])
+                             "engine.num_engines=2"])
     assert per_engine(cfg, None) == (8, 12) and per_engine(cfg, 3) == (8, 24) and per_engine(cfg, 1) == (8, 8)
     with pytest.raises(ConfigError, match="rollout.rollout_batch_size=15"):
         per_engine(load_config(None, ["rollout.rollout_batch_size=15", "rollout.over_sampling_batch_size=16"]), None)
@@ -25,10 +25,10 @@ def test_per_engine_share_of_the_ray_run():
 
 def test_bench_schedule_runs_sync_and_april_in_process(tmp_path, random_model_dir):
     out = tmp_path / "sched.json"
-    cmd = [sys.executable, "-m", "jobs.bench_schedule", "--json", str(out), "--steps", "3", "--warmup-steps", "1",
+    cmd = [sys.executable, "-m", "jobs.bench.schedule", "--json", str(out), "--steps", "3", "--warmup-steps", "1",
            "--factors", "1,2", "--probe-every", "2", "--probe-seconds", "0.5", f"model.path={random_model_dir}",
            f"model.cache_dir={tmp_path}", "task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=8",
-           "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=24",
+           "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24",
            "engine.max_model_len=64", "engine.max_num_seqs=16", "engine.park_slots=16"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True,
                           timeout=600)

@@ -381,7 +381,7 @@ def test_long_rows_scattered_among_short_ones_are_sorted_and_stay_exact(policy):
 def test_throughput_probe_counts_its_window_and_leaves_nothing_behind(policy):
     """The ceiling probe counts the tokens decoded in its window only (no draining tail of its own), ends
     with no request left in the engine, and does not touch the caches parked for real samples."""
-    from april_ray.engine_worker import EngineWorker
+    from april_ray.rollout.engine_worker import EngineWorker
 
     model, tok = policy
     core = LLMEngine(model, max_num_seqs=4, max_model_len=256, num_park_slots=4, kv_reuse_max_staleness=1)
@@ -399,7 +399,7 @@ def test_throughput_probe_counts_its_window_and_leaves_nothing_behind(policy):
 
 def test_bench_engine_task_mix_keeps_the_engine_saturated(policy):
     """The engine benchmark's task-mix figure: every slot refilled at once, counted after the warm-up."""
-    from jobs.bench_engine import task_mix_tok_s
+    from jobs.bench.engine import task_mix_tok_s
 
     model, tok = policy
     prompts = [tok.encode(p) for p in PROMPTS]

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from april_ray.config import AlgorithmConfig, LearnerConfig
-from april_ray.learner import Learner, advantages_for, collate, token_logprobs
+from april_ray.learn.learner import Learner, advantages_for, collate, token_logprobs
 from april_ray.types import FinishReason, Sample, SampleState
 
 
@@ -66,8 +66,8 @@ def test_torch_learner_step_changes_weights_and_reports_metrics(random_model_dir
 
 
 def test_stale_tokens_are_reported_and_masked(random_model_dir):
-    learner = Learner(str(random_model_dir), LearnerConfig(backend="torch"), AlgorithmConfig(mask_older_than=1),
-                      temperature=1.0, max_response_len=32)
+    learner = Learner(str(random_model_dir), LearnerConfig(backend="torch"), AlgorithmConfig(),
+                      temperature=1.0, max_response_len=32, mask_older_than=1)
     samples = batch_from_policy(random_model_dir)
     for s in samples[:4]:
         s.versions = [0] * len(s.response_ids)

@@ -1,4 +1,5 @@
 """The embedded tiny model: built locally, deterministic, cached, loaded like any HF checkpoint."""
+import asyncio
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -31,14 +32,8 @@ def test_build_is_deterministic_cached_and_loads_with_from_pretrained(tmp_path):
 @pytest.mark.slow
 def test_default_warmup_accuracy_leaves_room_for_rl():
     """The default model (built once into the cache): clearly above 0, clearly below 100% at T=1."""
-    from april_ray.data import dataset_paths, read_examples
-    from april_ray.engine.cpu_engine import LLMEngine
-    from april_ray.evaluate import accuracy
-    from april_ray.model import load_policy
-    from april_ray.rewards import get_reward_fn
+    from jobs.build_model import held_out_accuracy
 
-    cfg = load_config("configs/tiny_cpu.yaml")
-    model, tok = load_policy(ensure_model(cfg))
-    examples = read_examples(dataset_paths(cfg.task, cfg.model.cache_dir)[1])
-    acc = accuracy(LLMEngine(model, 256, 640), tok, examples, get_reward_fn("countdown"), 1.0, 512)
+    cfg = load_config("configs/tiny_cpu.yaml", ["engine.max_num_seqs=256"])
+    acc = asyncio.run(held_out_accuracy(cfg, ensure_model(cfg)))["accuracy_t1"]
     assert 0.15 <= acc <= 0.65, acc

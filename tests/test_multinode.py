@@ -2,9 +2,8 @@
 import pytest
 import ray
 
-from actors.system import start_engines
 from april_ray.placement import plan
-from tests.test_ray_rollout import run_steps, small_cfg
+from tests.test_ray_rollout import run_steps, small_cfg, start_engines
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,12 @@ GPUs stand in for real ones in the placement math.
 import pytest
 import ray
 
-from actors.samples import fetch
-from actors.system import start_engines, start_rollout
+from actors.refs import fetch
 from april_ray.config import load_config
+from april_ray.placement import plan
+from april_ray.task.data import dataset_paths
+from driver.engines import EngineGroup
+from driver.rollout import RolloutGroup
 from april_ray.types import SampleState
 
 pytestmark = pytest.mark.slow
@@ -19,8 +22,17 @@ def small_cfg(tmp_path, *extra):
     return load_config(None, [
         f"model.cache_dir={tmp_path}", "task.num_train=400", "task.num_eval=16",
         "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4",
-        "rollout.max_response_len=24", "engine.max_num_seqs=16", "engine.max_model_len=64",
-        "rollout.max_staleness=100", "rollout.abort_resend_s=0.5", *extra])
+        "sampling.max_response_len=24", "engine.max_num_seqs=16", "engine.max_model_len=64",
+        "staleness.max_versions=100", "rollout.abort_resend_s=0.5", *extra])
+
+
+def start_engines(cfg, model_dir, timeout_s=60):
+    return EngineGroup.start(cfg, model_dir, plan(cfg), timeout_s=timeout_s)
+
+
+def start_rollout(cfg, model_dir, engines):
+    train_path, _ = dataset_paths(cfg.task, cfg.model.cache_dir)
+    return RolloutGroup.start(cfg, model_dir, str(train_path), engines)
 
 
 def run_steps(cfg, model_dir, engines, num_steps, first_step=0, actors=None):
@@ -33,7 +45,7 @@ def run_steps(cfg, model_dir, engines, num_steps, first_step=0, actors=None):
         for s in samples:
             assert s.state == SampleState.FINISHED and s.sample_id not in seen
             seen.add(s.sample_id)
-            assert len(s.response_ids) == len(s.logprobs) == len(s.versions) <= cfg.rollout.max_response_len
+            assert len(s.response_ids) == len(s.logprobs) == len(s.versions) <= cfg.sampling.max_response_len
             assert max(s.versions) <= step
         taken = ray.get(actors.source.num_groups_taken.remote())
         counters = ray.get(actors.monitor.counters.remote())
@@ -71,7 +83,7 @@ def engines_of():
 
 @pytest.mark.parametrize("park", [False, True])
 def test_april_steps_on_two_engine_workers(local_ray, tmp_path, model_dir, engines_of, park):
-    extra = ["engine.park_slots=32", "engine.kv_reuse_max_staleness=100"] if park else []
+    extra = ["engine.park_slots=32", "engine.reuse_stale_kv=true"] if park else []
     cfg = small_cfg(tmp_path, *extra)
     engines = engines_of(cfg, model_dir)
     actors, results = run_steps(cfg, model_dir, engines, 8)
@@ -116,7 +128,7 @@ def test_checkpoint_store_and_cursor_mid_run_restores_without_loss(local_ray, tm
 def test_a_killed_engine_loses_no_sample(local_ray, tmp_path, model_dir, engines_of):
     """An engine actor dies between steps, with partial groups of its own parked in the store: the
     monitor's calls to it fail, those samples go to the surviving engine, and nothing is lost."""
-    cfg = small_cfg(tmp_path, "engine.park_slots=32", "engine.kv_reuse_max_staleness=100")
+    cfg = small_cfg(tmp_path, "engine.park_slots=32", "engine.reuse_stale_kv=true")
     engines = engines_of(cfg, model_dir)
     actors, stored = None, []
     for step in range(6):  # which engine's groups are left partial depends on timing: step until some are
@@ -143,7 +155,7 @@ def test_samples_aborted_by_someone_else_mid_step_are_resumed_in_the_same_step(l
     handle is an element of a call's result list, which the engine actor resolves itself), and the
     step still returns N complete groups with nothing lost or repeated."""
 
-    cfg = small_cfg(tmp_path, "rollout.max_response_len=300", "engine.max_model_len=400")
+    cfg = small_cfg(tmp_path, "sampling.max_response_len=300", "engine.max_model_len=400")
     engines = engines_of(cfg, model_dir)
     actors, _ = run_steps(cfg, model_dir, engines, 1)
     ref = actors.monitor.step.remote(1, 1)

@@ -3,16 +3,18 @@ import asyncio
 
 import pytest
 
-from april_ray.config import RolloutConfig
-from april_ray.local import LocalHandle, resolve
-from april_ray.store import PartialRolloutStore
+from april_ray.config import Config, RolloutConfig, SamplingConfig, StalenessConfig
+from april_ray.rollout.local import LocalHandle, resolve
+from april_ray.rollout.store import PartialRolloutStore
 from april_ray.types import SampleState
 from tests.fakes import TOKEN, make_rollout_parts
 
 
-def cfg(**kw):
-    base = dict(rollout_batch_size=4, over_sampling_batch_size=8, n_samples_per_prompt=4, max_response_len=300)
-    return RolloutConfig(**{**base, **kw})
+def cfg(max_response_len=300, max_staleness=4, stale_policy="keep", **kw):
+    """A root config: the monitor's section from `kw`, the response budget and the staleness bound."""
+    base = dict(rollout_batch_size=4, over_sampling_batch_size=8, n_samples_per_prompt=4)
+    return Config(rollout=RolloutConfig(**{**base, **kw}), sampling=SamplingConfig(max_response_len=max_response_len),
+                  staleness=StalenessConfig(max_staleness, stale_policy))
 
 
 def returned_samples(result):
@@ -22,15 +24,15 @@ def returned_samples(result):
 def check_invariants(result, rollout, source, store, c, seen: set):
     # Accounting: every group taken from the source is returned, dropped, or in the store.
     assert source.num_groups_taken == rollout.num_returned_groups + rollout.num_dropped_groups + len(store)
-    assert len(result.groups) == c.rollout_batch_size
+    assert len(result.groups) == c.rollout.rollout_batch_size
     for s in returned_samples(result):
         assert s.sample_id not in seen, f"{s.sample_id} returned twice"
         seen.add(s.sample_id)
         assert s.state == SampleState.FINISHED and s.reward is not None
-        assert len(s.response_ids) == len(s.logprobs) == len(s.versions) <= c.max_response_len
+        assert len(s.response_ids) == len(s.logprobs) == len(s.versions) <= c.sampling.max_response_len
         assert set(s.response_ids) <= {TOKEN}
         target = s.prompt_ids[0]  # the fake's length; a sample never grows past it or the budget
-        assert len(s.response_ids) == min(target, c.max_response_len) or s.num_discarded_tokens
+        assert len(s.response_ids) == min(target, c.sampling.max_response_len) or s.num_discarded_tokens
     for g in store.partial.values():
         assert not g.is_complete and all(isinstance(s.state, SampleState) for s in g.samples)
         assert all(s.state != SampleState.RUNNING for s in g.samples)
@@ -106,7 +108,7 @@ def test_aborts_racing_completions_keep_surplus_groups_for_next_step():
             result = await rollout.step(step, step)
             check_invariants(result, rollout, source, store, c, seen)
             # the carried groups are returned first, before any group of this step
-            assert result.returned_group_ids[: len(carried)] == carried[: c.rollout_batch_size]
+            assert result.returned_group_ids[: len(carried)] == carried[: c.rollout.rollout_batch_size]
             checked += bool(carried)
         return checked
 

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from april_ray.config import LengthConfig, TaskConfig
-from april_ray.data import dataset_paths, read_examples
-from april_ray.rewards import get_reward_fn, math_reward
-from april_ray.task import TOKENS_PER_TERM, countdown_reward, generate, sample_num_terms
-from april_ray.tokenizer import build_tokenizer
+from april_ray.task.data import dataset_paths, read_examples
+from april_ray.task.rewards import get_reward_fn, math_reward
+from april_ray.task.countdown import TOKENS_PER_TERM, countdown_reward, generate, sample_num_terms
+from april_ray.task.tokenizer import build_tokenizer
 
 
 def test_tokenizer_round_trips_and_reloads(tmp_path):

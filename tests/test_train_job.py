@@ -17,7 +17,7 @@ def run_train(tmp_path, model_dir, *overrides):
     cmd = [sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu.yaml", f"model.path={model_dir}",
            f"model.cache_dir={tmp_path}", f"train.output_dir={tmp_path}/out", "task.num_train=300",
            "task.num_eval=16", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
-           "rollout.n_samples_per_prompt=4", "rollout.max_response_len=24", "engine.max_model_len=64",
+           "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24", "engine.max_model_len=64",
            # a random policy never solves countdown; overlong shaping gives its rewards variance to learn from
            "algorithm.overlong_buffer=8", "learner.lr=1e-3", "train.eval_every=2", "train.save_every=2", "logging.wandb_mode=offline",
            "--summary", f"{tmp_path}/summary.json", *overrides]

@@ -21,6 +21,8 @@ class AsyncEngine:
         self._futures: dict[str, asyncio.Future] = {}
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        self._held = asyncio.Event()
+        self._held.set()
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         self.engine.add_request(request)
@@ -49,7 +51,16 @@ class AsyncEngine:
         self.engine.update_weights(state_dict, version)
 
     def set_kv_reuse(self, enabled: bool) -> None:
+        """The CPU engine's one benchmark switch (not part of the `Engine` protocol): parking off or on."""
         self.engine.set_kv_reuse(enabled)
+
+    def hold(self) -> None:
+        """Stop stepping, keeping every request and its KV cache where it is (SGLang's in-place pause);
+        calls may still join, abort or update weights meanwhile."""
+        self._held.clear()
+
+    def release(self) -> None:
+        self._held.set()
 
     def stats(self, drain: bool = True) -> EngineStats:
         return self.engine.stats(drain)
@@ -70,6 +81,9 @@ class AsyncEngine:
             if not self.engine.has_work():
                 self._wake.clear()
                 await self._wake.wait()
+            if not self._held.is_set():
+                await self._held.wait()
+                continue  # aborts may have emptied the engine meanwhile
             try:
                 for out in self.engine.step():
                     self._resolve(out)

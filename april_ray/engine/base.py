@@ -19,9 +19,5 @@ class Engine(Protocol):
     def update_weights(self, state_dict, version: int) -> None:
         """Adopt new weights between steps; later tokens carry `version`."""
 
-    def set_kv_reuse(self, enabled: bool) -> None:
-        """Switch parking and restoring of interrupted requests' KV caches off or back on (engines that do
-        not park caches ignore it)."""
-
     def stats(self, drain: bool = True) -> EngineStats:
         """Counters, and the occupancy timeline since the last drain."""

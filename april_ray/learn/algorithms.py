@@ -4,8 +4,8 @@ All tensors are padded [B, T] over response tokens with a 0/1 `mask`. Three logp
 - `logp`: the current policy's, with gradient;
 - `old_logp`: pi_old, the policy at the start of this train step (detached);
 - `behaviour_logp`: what the engine sampled with, recorded per token. For a partial rollout it can be
-  several versions older than pi_old (DESIGN-NOTES, item 3: APRIL's code recomputed it with the current
-  policy and so treated stale tokens as on-policy).
+  several versions older than pi_old (recomputing it with the current policy would treat stale tokens
+  as on-policy).
 Truncated importance sampling multiplies each token's loss by min(pi_old / pi_behaviour, tis_cap); tokens
 older than `mask_older_than` versions can be masked out instead. Both act on the per-token versions.
 """

@@ -5,20 +5,20 @@ current logprobs, applies the configured algorithm with off-policy correction, a
 step. There is one optimiser step per rollout batch, so pi_old is the current policy detached (no extra
 forward pass); the behaviour logprobs recorded by the engines carry the staleness of partial rollouts.
 
-The optimiser is chosen once, when the learner is built: DeepSpeed ZeRO (gloo on CPU, NCCL/RCCL on GPU)
-or plain torch AdamW on one rank.
+The optimiser backend is chosen once, when the learner is built (`optim.py`): DeepSpeed ZeRO (gloo on
+CPU, NCCL/RCCL on GPU) or plain torch AdamW on one rank.
 """
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 import torch
 
-from april_ray import algorithms as algo
+from april_ray.learn import algorithms as algo
 from april_ray.batching import padded_chunks
 from april_ray.config import AlgorithmConfig, LearnerConfig
+from april_ray.learn.optim import build_optim
 from april_ray.types import Sample
 
 
@@ -72,15 +72,17 @@ def policy_loss(logp, old_logp, adv, mask, weights, a: AlgorithmConfig) -> algo.
 
 class Learner:
     def __init__(self, model_path: str, learner_cfg: LearnerConfig, algo_cfg: AlgorithmConfig,
-                 temperature: float, max_response_len: int, rank: int = 0, world_size: int = 1,
-                 master_port: int = 29500, device: str | None = None):
+                 temperature: float, max_response_len: int, mask_older_than: int = -1, rank: int = 0,
+                 world_size: int = 1, master_port: int = 29500, device: str | None = None):
+        """`temperature`: what the engines sample with (logprobs are scored under it).
+        `mask_older_than`: tokens sampled more than this many versions ago are masked out of the loss (-1: none)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(learner_cfg.num_threads)
         torch.manual_seed(1234 + rank)
         random.seed(rank)
         self.cfg, self.algo = learner_cfg, algo_cfg
-        self.temperature, self.max_response_len = temperature, max_response_len
+        self.temperature, self.max_response_len, self.mask_older_than = temperature, max_response_len, mask_older_than
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id
@@ -89,16 +91,24 @@ class Learner:
         self.ref = None
         if algo_cfg.kl_coef > 0:
             self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device).eval()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=learner_cfg.lr, weight_decay=learner_cfg.weight_decay)
-        if learner_cfg.backend == "deepspeed":
-            self.model, self.optimizer = init_deepspeed(model, optimizer, learner_cfg, rank, world_size, master_port)
-        else:
-            self.model, self.optimizer = model, optimizer
-        self.steps = 0
+        self.optim = build_optim(model, learner_cfg, rank, world_size, master_port)
+
+    @property
+    def model(self):
+        """What the forward runs through (the DeepSpeed engine, or the module itself)."""
+        return self.optim.model
 
     @property
     def module(self):
-        return getattr(self.model, "module", self.model)
+        return self.optim.module
+
+    @property
+    def optimizer(self):
+        return self.optim.optimizer
+
+    @property
+    def steps(self) -> int:
+        return self.optim.steps
 
     def train_step(self, samples: list[Sample], version: int) -> dict[str, float]:
         adv = advantages_for(samples, self.algo, self.max_response_len)
@@ -112,11 +122,10 @@ class Learner:
             out, stats = self._loss(batch, adv[idx].to(self.device), version)
             # Each micro-batch's loss is weighted by its share of the batch's response tokens.
             share = sum(len(s.response_ids) for s in part) / max(1, total_tokens)
-            self._backward(out * share, is_last=k == len(chunks) - 1)
+            self.optim.backward(out * share, is_last=k == len(chunks) - 1)
             for key, v in stats.items():
                 sums[key] = sums.get(key, 0.0) + v * share
-        grad_norm = self._step()
-        self.steps += 1
+        grad_norm = self.optim.step()
         rewards = [s.reward for s in samples]
         return sums | {"train/grad_norm": grad_norm, "train/reward_mean": sum(rewards) / len(rewards),
                        "train/response_len_mean": total_tokens / len(samples), "train/num_samples": len(samples),
@@ -127,7 +136,7 @@ class Learner:
         old_logp = logp.detach()
         weights, keep, metrics = algo.off_policy_weights(
             old_logp, batch["behaviour_logp"], batch["versions"], version, batch["mask"],
-            self.algo.tis_cap, self.algo.mask_older_than)
+            self.algo.tis_cap, self.mask_older_than)
         out = policy_loss(logp, old_logp, adv, keep, weights, self.algo)
         loss = out.loss
         metrics |= out.metrics
@@ -142,77 +151,20 @@ class Learner:
                                                                      batch["mask"]))
         return loss, metrics
 
-    def _backward(self, loss, is_last: bool) -> None:
-        if self.cfg.backend == "deepspeed":
-            self.model.set_gradient_accumulation_boundary(is_last)
-            self.model.backward(loss, scale_wrt_gas=False)
-        else:
-            loss.backward()
-
-    def _step(self) -> float:
-        if self.cfg.backend == "deepspeed":
-            self.model.step()
-            norm = self.model.get_global_grad_norm()
-            return float(norm) if norm is not None else 0.0
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
-
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full CPU weights for the engines (gathered from ZeRO-3 partitions if needed)."""
-        if self.cfg.backend == "deepspeed" and self.cfg.zero_stage == 3:
-            return {k: v.cpu() for k, v in self.model._zero3_consolidated_16bit_state_dict().items()}
-        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        """Full CPU weights for the engines (under ZeRO-3, every rank must call this: it gathers)."""
+        return self.optim.full_state_dict()
 
     def save(self, path: str | Path, tokenizer_dir: str | None = None) -> None:
         path = Path(path)
+        weights = self.state_dict()  # every rank takes part in gathering
         if self.rank == 0:
-            self.module.save_pretrained(path / "policy", state_dict=self.state_dict(), safe_serialization=True)
+            self.module.save_pretrained(path / "policy", state_dict=weights, safe_serialization=True)
             if tokenizer_dir:
                 from transformers import AutoTokenizer
 
                 AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path / "policy")
-        if self.cfg.backend == "deepspeed":
-            self.model.save_checkpoint(str(path / "optimizer"), tag="state")
-        elif self.rank == 0:
-            torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps}, path / "optimizer.pt")
+        self.optim.save(path, self.rank)
 
     def load(self, path: str | Path) -> None:
-        path = Path(path)
-        if self.cfg.backend == "deepspeed":
-            self.model.load_checkpoint(str(path / "optimizer"), tag="state")
-        else:
-            from safetensors.torch import load_file
-
-            # With tied embeddings save_pretrained stores embed_tokens and not lm_head: allow only that gap.
-            missing, unexpected = self.module.load_state_dict(load_file(path / "policy" / "model.safetensors"),
-                                                              strict=False)
-            if unexpected or set(missing) - {"lm_head.weight"}:
-                raise ValueError(f"{path}/policy does not match the policy (missing {missing}, unexpected {unexpected})")
-            state = torch.load(path / "optimizer.pt")
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.steps = state["steps"]
-
-
-def init_deepspeed(model, optimizer, cfg: LearnerConfig, rank: int, world_size: int, master_port: int):
-    """A module-level function on purpose: Ray cannot pickle actor methods that touch `deepspeed.ops`."""
-    import deepspeed
-
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
-                       "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": str(master_port)})
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skips a 40 s JIT build on CPU
-    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False)
-    ds_config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": cfg.zero_stage},
-        "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": on_gpu},
-        "steps_per_print": 1 << 30,
-    }
-    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    return engine, opt
+        self.optim.load(Path(path))

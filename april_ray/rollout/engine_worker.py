@@ -3,11 +3,11 @@
 A sample goes in with its prompt ids and the tokens it already has, and is generated with its remaining
 budget; it comes back extended (ids, behaviour logprobs, versions) and, if it finished, rewarded. The
 reward is computed here, the moment a sample finishes, so no reward call ever sits on the abort path
-(DESIGN-NOTES, item 6).
+(a slow reward would otherwise hold up the end of the step).
 
 Aborts are race-free through a step gate: `abort_all(step)` closes the step, and a `generate` for a
 closed step that arrives later (it was in flight in Ray's queue when the abort ran) returns at once,
-untouched, instead of escaping the abort (DESIGN-NOTES, item 5). A step is any hashable token unique
+untouched, instead of escaping the abort (an abort sent once would miss it). A step is any hashable token unique
 to one rollout step; the monitor uses (its run id, step number), so a new monitor on the same engines
 starts with open steps.
 """
@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
-import time
 from collections import deque
 
-from april_ray.config import EngineConfig, RolloutConfig
+from april_ray.config import EngineConfig, SamplingConfig, StalenessConfig
+from april_ray.engine.probe import saturated_throughput
 from april_ray.types import GenerateRequest, Sample, SampleMeta, SampleState, SamplingParams
 
 
@@ -31,25 +30,29 @@ def sample_meta(sample: Sample, num_new_tokens: int) -> SampleMeta:
                       len(sample.response_ids), sample.reward, counts)
 
 
-def build_worker(engine_cfg: EngineConfig, rollout_cfg: RolloutConfig, task_name: str, model_path: str,
-                 version: int = 0) -> "EngineWorker":
-    """An EngineWorker on the configured engine backend, with the task's reward and the rollout's sampling."""
+def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig, task_name: str,
+                 model_path: str, version: int = 0) -> "EngineWorker":
+    """An EngineWorker on the configured engine backend, with the task's reward and the configured sampling."""
     from transformers import AutoTokenizer
 
     from april_ray.engine import build_engine
-    from april_ray.rewards import get_reward_fn
+    from april_ray.task.rewards import get_reward_fn
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    sampling = SamplingParams(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k,
-                              rollout_cfg.max_response_len, (tok.eos_token_id,))
-    return EngineWorker(build_engine(engine_cfg, model_path, version),
-                        lambda ids: tok.decode(ids, skip_special_tokens=True), get_reward_fn(task_name), sampling)
+    sampling = SamplingParams(sampling_cfg.temperature, sampling_cfg.top_p, sampling_cfg.top_k,
+                              sampling_cfg.max_response_len, (tok.eos_token_id,))
+    stale_kv_versions = staleness.max_versions if engine_cfg.reuse_stale_kv else 0
+    return EngineWorker(build_engine(engine_cfg, model_path, version, stale_kv_versions),
+                        lambda ids: tok.decode(ids, skip_special_tokens=True), get_reward_fn(task_name), sampling,
+                        tok.encode)
 
 
 class EngineWorker:
-    def __init__(self, engine, decode, reward_fn, sampling: SamplingParams):
+    def __init__(self, engine, decode, reward_fn, sampling: SamplingParams, encode=None):
         self.engine = engine
         self.decode = decode
+        self.encode = encode
+        """The tokenizer's encode, for callers that build evaluation items in this process."""
         self.reward_fn = reward_fn
         self.sampling = sampling
         self.closed_steps: deque = deque(maxlen=64)
@@ -72,32 +75,8 @@ class EngineWorker:
 
     async def throughput_probe(self, prompts: list[list[int]], concurrency: int, seconds: float,
                                warmup_s: float = 1.0) -> tuple[int, float]:
-        """Saturated throughput on this workload: (tokens, seconds) decoded while `concurrency` requests
-        are kept running, each finished one replaced at once by the next prompt (real stop token and
-        budget). Counted over `seconds` after `warmup_s` (the lanes start in lockstep); the requests still
-        running then are aborted without parking, so the probe has no draining tail of its own and leaves
-        the parked caches alone."""
-        counter = itertools.count()
-        running: set[str] = set()
-        stop = False
-
-        async def lane() -> None:
-            while not stop:
-                i = next(counter)
-                rid = f"probe-{i}"
-                running.add(rid)
-                await self.engine.generate(GenerateRequest(rid, prompts[i % len(prompts)], self.sampling))
-                running.discard(rid)
-
-        lanes = [asyncio.ensure_future(lane()) for _ in range(concurrency)]
-        await asyncio.sleep(warmup_s)
-        n0, t0 = self.engine.stats(drain=False).num_generated_tokens, time.perf_counter()
-        await asyncio.sleep(seconds)
-        tokens, dt = self.engine.stats(drain=False).num_generated_tokens - n0, time.perf_counter() - t0
-        stop = True
-        for rid in list(running):
-            self.engine.abort(rid, park=False)
-        await asyncio.gather(*lanes)
+        """Saturated throughput on this workload, inside the engine's process (`engine.probe`)."""
+        tokens, dt, _ = await saturated_throughput(self.engine, prompts, self.sampling, concurrency, seconds, warmup_s)
         return tokens, dt
 
     async def evaluate(self, items: list[tuple[str, list[int], str]], temperature: float, tag: str) -> list[float]:
@@ -115,9 +94,6 @@ class EngineWorker:
 
     def update_weights(self, state_dict, version: int) -> None:
         self.engine.update_weights(state_dict, version)
-
-    def set_kv_reuse(self, enabled: bool) -> None:
-        self.engine.set_kv_reuse(enabled)
 
     def stats(self, drain: bool = True):
         return self.engine.stats(drain)

@@ -2,15 +2,15 @@
 and store, all on one event loop. The rollout tests run on it (with fake engines), and so does
 `jobs/bench_schedule.py` (with the real engine), which measures the schedules without any transport.
 
-A sample handle here is a `LocalHandle`: element `index` of a call's result, like `actors.samples.SampleRef`
+A sample handle here is a `LocalHandle`: element `index` of a call's result, like `actors.refs.SampleRef`
 on Ray.
 """
 from __future__ import annotations
 
 import asyncio
 
-from april_ray.rollout import EngineFailure
-from april_ray.store import resolve_groups
+from april_ray.rollout.monitor import EngineFailure
+from april_ray.rollout.store import resolve_groups
 
 
 class LocalHandle:

@@ -1,4 +1,4 @@
-"""One APRIL rollout step: the logic of the CompletionMonitor actor.
+"""The completion monitor: one APRIL rollout step (and the synchronous baseline).
 
     fill N' groups (store's partial groups oldest first, then fresh prompts) -> dispatch samples to the
     least-loaded engine under its cap -> watch results in completion order, counting complete groups and
@@ -8,11 +8,12 @@
 
 The synchronous baseline is the same loop with N' = N, no top-up and no abort (`partial_rollout=false`).
 
-The monitor reads only each call's small `SampleMeta`; samples stay behind handles (object refs on Ray)
-that go straight to the store or, in the batch, to the learner. A group in this step is a `_Flight`: for
-each sample, the latest handle (or the value it started the step with) and its state. An engine that
-dies takes only the tokens of its in-flight calls with it: those samples are re-dispatched from the state
-they were sent in.
+`CompletionMonitor` holds what lives across steps (engines' liveness, counters, the handles of finished
+samples whose groups wait in the store); everything about one step lives in a `StepState`, created when
+the step starts and dropped when it ends. The monitor reads only each call's small `SampleMeta`; samples
+stay behind handles (object refs on Ray) that go straight to the store or, in the batch, to the learner.
+An engine that dies takes only the tokens of its in-flight calls with it: those samples are re-dispatched
+from the state they were sent in.
 """
 from __future__ import annotations
 
@@ -24,12 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Protocol
 
 from april_ray.config import RolloutConfig
-from april_ray.engine_worker import sample_meta
-from april_ray.types import Group, SampleMeta, SampleState
+from april_ray.rollout.engine_worker import sample_meta
+from april_ray.types import Group, SampleMeta, SampleState, StepResult
 
 
 class EngineFailure(RuntimeError):
     """An engine died; its in-flight samples are re-dispatched elsewhere."""
+
+
+class StepFailed(RuntimeError):
+    """A step could not finish; every sample of it was stored before this was raised."""
 
 
 class EnginePool(Protocol):
@@ -43,17 +48,18 @@ class EnginePool(Protocol):
 
 
 @dataclass
-class _Flight:
+class Flight:
+    """A group during one step: per sample, its latest handle (or the value it entered with) and state."""
+
     group: Group
     handles: list[Any]
-    """Per sample: the handle of its latest result, or the value it entered the step with."""
     states: list[SampleState]
     metas: list[SampleMeta | None]
     engine: int = -1
     """Engine of its latest call (where its samples' KV caches are parked after an abort)."""
 
     @classmethod
-    def of(cls, group: Group) -> "_Flight":
+    def of(cls, group: Group) -> "Flight":
         return cls(group, list(group.samples), [s.state for s in group.samples], [None] * len(group.samples),
                    group.engine)
 
@@ -67,19 +73,47 @@ class _Flight:
 
 
 @dataclass
-class StepResult:
+class Call:
+    """One outstanding `generate` call: some samples of one group on one engine."""
+
+    group_id: str
+    indices: list[int]
+    """Which samples of the group it carries."""
+    engine: int
+    handles: list[Any]
+    """A handle per carried sample, for its result."""
+
+
+@dataclass
+class StepState:
     step: int
-    groups: list[list[Any]]
-    """N groups, each a list of sample handles (object refs on Ray)."""
-    metas: list[list[SampleMeta]]
-    metrics: dict[str, float]
-    staleness: dict[int, int]
-    """Response tokens in the batch by age in versions (0 = on-policy)."""
-    returned_group_ids: list[str] = field(default_factory=list)
+    version: int
+    token: tuple
+    """Sent with every call and abort of this step: (monitor run id, step)."""
+    load: list[int]
+    """Samples in flight per engine."""
+    flights: dict[str, Flight] = field(default_factory=dict)
+    queue: deque = field(default_factory=deque)
+    """Ids of groups with unfinished samples waiting to be dispatched."""
+    pending: dict[asyncio.Future, Call] = field(default_factory=dict)
+    completed: list[str] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
-    """Group id -> reason, for complete groups the dynamic filter dropped this step."""
-    dropped_groups: list[list[Any]] = field(default_factory=list)
-    """Their sample handles, in `dropped` order: filtered groups are kept for the consumer, not discarded."""
+    call_errors: list[str] = field(default_factory=list)
+    generated_tokens: int = 0
+    num_fresh: int = 0
+    num_resumed: int = 0
+    store_empty: bool = False
+    """Only this monitor writes to the store, and only at a step's end: once it came back short, it stays so."""
+    start_s: float = 0.0
+    abort_latency_s: float = 0.0
+    abort_resends: int = 0
+
+    @property
+    def num_incomplete(self) -> int:
+        return len(self.flights) - len(self.completed) - len(self.dropped)
+
+    def partial_ids(self) -> list[str]:
+        return [g for g in self.flights if g not in self.dropped and g not in self.completed]
 
 
 def filter_reason(metas: list[SampleMeta]) -> str | None:
@@ -88,7 +122,7 @@ def filter_reason(metas: list[SampleMeta]) -> str | None:
     return "zero_reward_variance" if len(rewards) == 1 else None
 
 
-class Rollout:
+class CompletionMonitor:
     def __init__(self, cfg: RolloutConfig, pool: EnginePool, source, store, clock=time.perf_counter):
         """`source` and `store` are async proxies: each method call returns an awaitable."""
         self.cfg = cfg
@@ -109,88 +143,76 @@ class Rollout:
     # -- one step ---------------------------------------------------------------------------------------
     async def step(self, step: int, version: int) -> StepResult:
         t0 = self.clock()
-        self._begin(step, version)
+        s = StepState(step, version, (self.run_id, step), [0] * len(self.pool.capacities))
         for group in await self.store.take_complete():  # surplus of the previous step comes first
-            self._register(group, dispatch=False)
-            self._group_done(group.group_id)
-        await self._top_up()
-        self._dispatch()
-        self.t_dispatched = self.clock() - t0
-        while self.pending and len(self.completed) < self.cfg.rollout_batch_size:
-            done, _ = await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                self._on_result(fut)
-            if self.call_errors:
-                await self._fail(f"step {step}: an engine call failed: {self.call_errors[0]}")
-            await self._top_up()
-            self._dispatch()
-        if len(self.completed) < self.cfg.rollout_batch_size:
-            await self._fail(f"step {step}: no engine left alive to finish the rollout")
-        resends, abort_latency = 0, 0.0
-        if self.pending:  # N-th group complete: interrupt the rest
+            self._register(s, group, dispatch=False)
+            self._group_done(s, group.group_id)
+        failure = await self._top_up(s)
+        s.start_s = self.clock() - t0
+        failure = failure or await self._collect(s)
+        if failure is None and s.pending:  # N-th group complete: interrupt the rest
             t_nth = self.clock()
-            resends = await self._interrupt()
-            abort_latency = self.clock() - t_nth
-            if self.call_errors:
-                await self._fail(f"step {step}: an engine call failed: {self.call_errors[0]}")
-        return await self._finish(t0, abort_latency, resends)
+            s.abort_resends = await self._interrupt(s)
+            s.abort_latency_s = self.clock() - t_nth
+            failure = self._call_error(s)
+        if failure is not None:
+            await self._fail(s, failure)
+        return await self._finish(s, t0)
 
-    def _begin(self, step: int, version: int) -> None:
-        self.step_id, self.version = step, version
-        self.token = (self.run_id, step)
-        self.flights: dict[str, _Flight] = {}
-        self.queue: deque[str] = deque()
-        """Groups with unfinished samples waiting to be dispatched."""
-        self.pending: dict[asyncio.Future, tuple[str, list[int], int, list[Any]]] = {}
-        self.load = [0] * len(self.pool.capacities)
-        self.completed: list[str] = []
-        self.dropped: dict[str, str] = {}
-        self.generated_tokens = 0
-        self.num_fresh = self.num_resumed = 0
-        self.store_empty = False
-        self.call_errors: list[str] = []
+    async def _collect(self, s: StepState) -> str | None:
+        """Results in completion order until N groups are complete; returns why the step cannot finish."""
+        while s.pending and len(s.completed) < self.cfg.rollout_batch_size:
+            done, _ = await asyncio.wait(s.pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                self._on_result(s, fut)
+            failure = self._call_error(s) or await self._top_up(s)
+            if failure:
+                return failure
+        if len(s.completed) < self.cfg.rollout_batch_size:
+            return f"step {s.step}: no engine left alive to finish the rollout"
+        return None
 
-    def _in_flight_target(self) -> int:
-        n, incomplete = self.cfg.rollout_batch_size, self._num_incomplete()
-        if len(self.completed) >= n:
+    @staticmethod
+    def _call_error(s: StepState) -> str | None:
+        return f"step {s.step}: an engine call failed: {s.call_errors[0]}" if s.call_errors else None
+
+    def _in_flight_target(self, s: StepState) -> int:
+        n = self.cfg.rollout_batch_size
+        if len(s.completed) >= n:
             return 0
         if self.cfg.partial_rollout:
-            return self.cfg.over_sampling_batch_size - incomplete
-        return n - len(self.completed) - incomplete  # sync: only refill what the filter dropped
+            return self.cfg.over_sampling_batch_size - s.num_incomplete
+        return n - len(s.completed) - s.num_incomplete  # sync: only refill what the filter dropped
 
-    def _num_incomplete(self) -> int:
-        return len(self.flights) - len(self.completed) - len(self.dropped)  # complete groups pass _group_done
+    async def _top_up(self, s: StepState) -> str | None:
+        """Fill the in-flight set back up to its target (store first) and dispatch; returns a failure."""
+        need = self._in_flight_target(s)
+        if need > 0 and len(s.dropped) > self.cfg.max_filtered_groups:
+            return (f"step {s.step}: the dynamic filter dropped {len(s.dropped)} groups (all rewards equal) and "
+                    f"only {len(s.completed)} of {self.cfg.rollout_batch_size} were kept; the task is too easy "
+                    f"or too hard for the policy (raise rollout.max_filtered_groups or disable rollout.dynamic_filter)")
+        if need > 0:
+            groups = [] if s.store_empty else await self.store.take_partial(need, s.version)
+            s.store_empty = len(groups) < need
+            s.num_resumed += len(groups)
+            fresh = await self.source.take(need - len(groups), s.step) if need > len(groups) else []
+            s.num_fresh += len(fresh)
+            for g in groups + fresh:
+                self._register(s, g, dispatch=True)
+        self._dispatch(s)
+        return None
 
-    async def _top_up(self) -> None:
-        need = self._in_flight_target()
-        if need <= 0:
-            return
-        if len(self.dropped) > self.cfg.max_filtered_groups:
-            await self._fail(
-                f"step {self.step_id}: the dynamic filter dropped {len(self.dropped)} groups (all rewards equal) "
-                f"and only {len(self.completed)} of {self.cfg.rollout_batch_size} were kept; the task is too easy "
-                f"or too hard for the policy (raise rollout.max_filtered_groups or disable rollout.dynamic_filter)")
-        # Only this monitor writes to the store, and only at the end of a step: once it has come back
-        # short, it stays empty for the rest of the step, and each top-up is one call (to the source).
-        groups = [] if self.store_empty else await self.store.take_partial(need, self.version)
-        self.store_empty = len(groups) < need
-        self.num_resumed += len(groups)
-        fresh = await self.source.take(need - len(groups), self.step_id) if need > len(groups) else []
-        self.num_fresh += len(fresh)
-        for g in groups + fresh:
-            self._register(g, dispatch=True)
-
-    def _register(self, group: Group, dispatch: bool) -> None:
-        assert group.group_id not in self.flights, f"group {group.group_id} is in flight twice"
-        flight = self.flights[group.group_id] = _Flight.of(group)
-        for i, s in enumerate(group.samples):
-            if s.state == SampleState.FINISHED:
-                flight.metas[i] = sample_meta(s, 0)
-                flight.handles[i] = self.finished_handles.get(s.sample_id, s)
+    def _register(self, s: StepState, group: Group, dispatch: bool) -> None:
+        assert group.group_id not in s.flights, f"group {group.group_id} is in flight twice"
+        flight = s.flights[group.group_id] = Flight.of(group)
+        for i, sample in enumerate(group.samples):
+            if sample.state == SampleState.FINISHED:
+                flight.metas[i] = sample_meta(sample, 0)
+                flight.handles[i] = self.finished_handles.get(sample.sample_id, sample)
         if dispatch and not flight.complete:
-            self.queue.append(group.group_id)
+            s.queue.append(group.group_id)
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, s: StepState) -> None:
         """Send each queued group's unfinished samples, in one call, to the least-loaded live engine, or
         back to the engine it last ran on while that one has room (its KV caches may be parked there).
 
@@ -199,138 +221,135 @@ class Rollout:
         concurrency cap (excess requests wait in its queue, as on an SGLang server).
         """
         live = [e for e, ok in enumerate(self.alive) if ok]
-        while self.queue and live:
-            gid = self.queue.popleft()
-            flight = self.flights[gid]
+        while s.queue and live:
+            gid = s.queue.popleft()
+            flight = s.flights[gid]
             idx = [i for i, st in enumerate(flight.states) if st != SampleState.FINISHED]
             engine = flight.engine
-            if engine < 0 or not self.alive[engine] or self.load[engine] + len(idx) > self.pool.capacities[engine]:
-                engine = min(live, key=lambda e: self.load[e] / self.pool.capacities[e])
+            if engine < 0 or not self.alive[engine] or s.load[engine] + len(idx) > self.pool.capacities[engine]:
+                engine = min(live, key=lambda e: s.load[e] / self.pool.capacities[e])
             flight.engine = engine
-            fut, handles = self.pool.generate(engine, [flight.handles[i] for i in idx], self.token)
-            self.pending[asyncio.ensure_future(fut)] = (gid, idx, engine, handles)
+            fut, handles = self.pool.generate(engine, [flight.handles[i] for i in idx], s.token)
+            s.pending[asyncio.ensure_future(fut)] = Call(gid, idx, engine, handles)
             for i in idx:
                 flight.states[i] = SampleState.RUNNING
-            self.load[engine] += len(idx)
+            s.load[engine] += len(idx)
 
-    def _on_result(self, fut: asyncio.Future) -> None:
-        gid, idx, engine, handles = self.pending.pop(fut)
-        self.load[engine] -= len(idx)
-        flight = self.flights[gid]
+    def _on_result(self, s: StepState, fut: asyncio.Future) -> None:
+        call = s.pending.pop(fut)
+        s.load[call.engine] -= len(call.indices)
+        flight = s.flights[call.group_id]
         try:
             metas = fut.result()
         except Exception as e:  # the samples keep the state and handles they were sent with
-            for i in idx:
+            for i in call.indices:
                 flight.states[i] = flight.metas[i].state if flight.metas[i] else flight.group.samples[i].state
             if isinstance(e, EngineFailure):  # resend them to a live engine
-                self.alive[engine] = False
-                self.queue.appendleft(gid)
+                self.alive[call.engine] = False
+                s.queue.appendleft(call.group_id)
             else:  # a bug or a bad sample: not resent; the step stores everything, then fails
-                self.call_errors.append(f"group {gid} on engine {engine}: {e!r}")
+                s.call_errors.append(f"group {call.group_id} on engine {call.engine}: {e!r}")
             return
-        for i, handle, meta in zip(idx, handles, metas):
+        for i, handle, meta in zip(call.indices, call.handles, metas):
             flight.handles[i], flight.metas[i], flight.states[i] = handle, meta, meta.state
-            self.generated_tokens += meta.num_new_tokens
+            s.generated_tokens += meta.num_new_tokens
         if flight.complete:
-            self._group_done(gid)
-        elif not self._closed:
-            self.queue.append(gid)  # aborted by someone else before our interrupt: resume it
+            self._group_done(s, call.group_id)
+        elif len(s.completed) < self.cfg.rollout_batch_size:
+            s.queue.append(call.group_id)  # aborted by someone else before our interrupt: resume it
 
-    @property
-    def _closed(self) -> bool:
-        return len(self.completed) >= self.cfg.rollout_batch_size
-
-    def _group_done(self, gid: str) -> None:
-        reason = filter_reason(self.flights[gid].metas) if self.cfg.dynamic_filter else None
+    def _group_done(self, s: StepState, gid: str) -> None:
+        reason = filter_reason(s.flights[gid].metas) if self.cfg.dynamic_filter else None
         if reason is not None:
-            self.dropped[gid] = reason
+            s.dropped[gid] = reason
         else:
-            self.completed.append(gid)
+            s.completed.append(gid)
 
-    async def _interrupt(self) -> int:
+    async def _interrupt(self, s: StepState) -> int:
         """Abort every engine and wait until every outstanding call has resolved; returns re-sends."""
-        self.queue.clear()  # undispatched samples stay as they are, in their groups
-        engines = [e for e, ok in enumerate(self.alive) if ok]
-        await self.pool.abort_all(self.token, engines)
+        s.queue.clear()  # undispatched samples stay as they are, in their groups
+        await self.pool.abort_all(s.token, [e for e, ok in enumerate(self.alive) if ok])
         resends = 0
-        while self.pending:
-            done, _ = await asyncio.wait(self.pending, timeout=self.cfg.abort_resend_s)
+        while s.pending:
+            done, _ = await asyncio.wait(s.pending, timeout=self.cfg.abort_resend_s)
             if not done:
                 resends += 1
-                await self.pool.abort_all(self.token, [e for e, ok in enumerate(self.alive) if ok])
+                await self.pool.abort_all(s.token, [e for e, ok in enumerate(self.alive) if ok])
             for fut in done:
-                self._on_result(fut)
-            self.queue.clear()
+                self._on_result(s, fut)
+            s.queue.clear()
         return resends
 
     # -- the doors out of a step ------------------------------------------------------------------------
-    async def _finish(self, t0: float, abort_latency: float, resends: int) -> StepResult:
+    async def _finish(self, s: StepState, t0: float) -> StepResult:
         n = self.cfg.rollout_batch_size
-        batch, surplus = self.completed[:n], self.completed[n:]
+        batch, surplus = s.completed[:n], s.completed[n:]
         t_store = self.clock()
-        partial = await self._stash(surplus)
+        partial = await self._stash(s, surplus)
         self.num_returned_groups += len(batch)
-        self.num_dropped_groups += len(self.dropped)
-        metas = [list(self.flights[g].metas) for g in batch]
-        staleness = self._staleness(metas)
-        wall = self.clock() - t0
-        t_stored = self.clock() - t_store
+        self.num_dropped_groups += len(s.dropped)
+        metas = [list(s.flights[g].metas) for g in batch]
+        staleness = batch_staleness(metas, s.version)
+        metrics = self._metrics(s, metas, staleness, wall=self.clock() - t0, store_s=self.clock() - t_store)
+        metrics |= {"rollout/groups_surplus": len(surplus), "rollout/groups_partial": len(partial)}
+        for gid in (*batch, *s.dropped):
+            for m in s.flights[gid].metas:
+                self.finished_handles.pop(m.sample_id, None)
+        return StepResult(s.step, [list(s.flights[g].handles) for g in batch], metas, metrics, staleness, batch,
+                          dict(s.dropped), [list(s.flights[g].handles) for g in s.dropped])
+
+    @staticmethod
+    def _metrics(s: StepState, metas, staleness: dict[int, int], wall: float, store_s: float) -> dict[str, float]:
         trained = sum(m.response_len for ms in metas for m in ms)
+        num_samples = max(1, sum(map(len, metas)))
         off_policy = sum(c for age, c in staleness.items() if age > 0)
-        metrics = {
+        return {
             "rollout/wall_s": wall,
-            "rollout/abort_latency_s": abort_latency,
-            "rollout/abort_resends": resends,
-            "rollout/start_s": self.t_dispatched,
-            "rollout/store_s": t_stored,
-            "rollout/generated_tokens": self.generated_tokens,
+            "rollout/abort_latency_s": s.abort_latency_s,
+            "rollout/abort_resends": s.abort_resends,
+            "rollout/start_s": s.start_s,
+            "rollout/store_s": store_s,
+            "rollout/generated_tokens": s.generated_tokens,
             "rollout/trained_tokens": trained,
             "rollout/effective_tok_s": trained / wall,
-            "rollout/generated_tok_s": self.generated_tokens / wall,
+            "rollout/generated_tok_s": s.generated_tokens / wall,
             "rollout/off_policy_token_ratio": off_policy / max(1, trained),
             "rollout/staleness_max": max((a for a, c in staleness.items() if c), default=0),
             "rollout/staleness_mean": sum(a * c for a, c in staleness.items()) / max(1, trained),
-            "rollout/groups_fresh": self.num_fresh,
-            "rollout/groups_resumed": self.num_resumed,
-            "rollout/groups_surplus": len(surplus),
-            "rollout/groups_partial": len(partial),
-            "rollout/groups_filtered": len(self.dropped),
-            "rollout/reward_mean": sum(m.reward for ms in metas for m in ms) / max(1, sum(map(len, metas))),
-            "rollout/response_len_mean": trained / max(1, sum(map(len, metas))),
+            "rollout/groups_fresh": s.num_fresh,
+            "rollout/groups_resumed": s.num_resumed,
+            "rollout/groups_filtered": len(s.dropped),
+            "rollout/reward_mean": sum(m.reward for ms in metas for m in ms) / num_samples,
+            "rollout/response_len_mean": trained / num_samples,
         }
-        for gid in (*batch, *self.dropped):
-            for m in self.flights[gid].metas:
-                self.finished_handles.pop(m.sample_id, None)
-        return StepResult(self.step_id, [list(self.flights[g].handles) for g in batch], metas, metrics,
-                          staleness, batch, dict(self.dropped),
-                          [list(self.flights[g].handles) for g in self.dropped])
 
-    async def _fail(self, message: str) -> None:
+    async def _fail(self, s: StepState, message: str) -> None:
         """Stop the step without losing a sample: abort and drain, store everything, then raise."""
-        if self.pending:
-            await self._interrupt()
-        await self._stash(self.completed)
-        self.num_dropped_groups += len(self.dropped)
-        raise RuntimeError(message)
+        if s.pending:
+            await self._interrupt(s)
+        await self._stash(s, s.completed)
+        self.num_dropped_groups += len(s.dropped)
+        raise StepFailed(message)
 
-    async def _stash(self, complete: list[str]) -> list[str]:
+    async def _stash(self, s: StepState, complete: list[str]) -> list[str]:
         """Store complete groups not returned, and every unfinished group; returns the unfinished ids."""
-        partial = [gid for gid, f in self.flights.items()
-                   if gid not in self.dropped and gid not in self.completed]
+        partial = s.partial_ids()
         if complete:
-            await self.store.put_complete([self.flights[g].as_group() for g in complete])
+            await self.store.put_complete([s.flights[g].as_group() for g in complete])
         if partial:
-            await self.store.put_partial([self.flights[g].as_group() for g in partial])
-        for f in (self.flights[g] for g in (*complete, *partial)):
+            await self.store.put_partial([s.flights[g].as_group() for g in partial])
+        for f in (s.flights[g] for g in (*complete, *partial)):
             for m, h in zip(f.metas, f.handles):
                 if m is not None and m.state == SampleState.FINISHED:
                     self.finished_handles[m.sample_id] = h
         return partial
 
-    def _staleness(self, metas: list[list[SampleMeta]]) -> dict[int, int]:
-        hist: dict[int, int] = {}
-        for ms in metas:
-            for m in ms:
-                for v, c in m.version_counts.items():
-                    hist[self.version - v] = hist.get(self.version - v, 0) + c
-        return dict(sorted(hist.items()))
+
+def batch_staleness(metas: list[list[SampleMeta]], version: int) -> dict[int, int]:
+    """Response tokens of the batch by age in policy versions."""
+    hist: dict[int, int] = {}
+    for ms in metas:
+        for m in ms:
+            for v, c in m.version_counts.items():
+                hist[version - v] = hist.get(version - v, 0) + c
+    return dict(sorted(hist.items()))

@@ -1,14 +1,14 @@
 """The prompt source: dataset rows, shuffled per epoch by seed, handed out as groups of samples.
 
 Its cursor (epoch, position) is saved with every checkpoint together with the partial-rollout store, so
-a restart neither skips the prompts that were waiting in the store (DESIGN-NOTES, item 8) nor repeats
+a restart neither skips the prompts that were waiting in the store nor repeats
 any that were already returned.
 """
 from __future__ import annotations
 
 import random
 
-from april_ray.data import Example
+from april_ray.task.data import Example
 from april_ray.types import Group, Sample
 
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from april_ray.config import TaskConfig
-from april_ray import task as countdown
+from april_ray.task import countdown
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,21 @@
-"""Held-out accuracy: sample one response per prompt and score it with the task's reward."""
+"""Held-out accuracy: one response per prompt, scored by the task's reward in `EngineWorker.evaluate`.
+
+This is the one evaluation path: the training job shards the items over its engine actors, and the
+warm-up job (`jobs/build_model.py`) and the tests run one in-process worker.
+"""
 from __future__ import annotations
 
-from april_ray.data import Example
-from april_ray.rewards import RewardFn
-from april_ray.types import GenerateRequest, SamplingParams
+from april_ray.task.data import Example
+
+EvalItem = tuple[str, list[int], str]
+"""(prompt text, prompt ids, answer)."""
 
 
-def eval_requests(tokenizer, examples: list[Example], temperature: float, max_new_tokens: int):
-    sp = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
-                        stop_token_ids=(tokenizer.eos_token_id,))
-    return [GenerateRequest(f"eval-{ex.index}", tokenizer.encode(ex.prompt), sp) for ex in examples]
+def eval_items(examples: list[Example], encode) -> list[EvalItem]:
+    return [(ex.prompt, encode(ex.prompt), ex.answer) for ex in examples]
 
 
-def score(tokenizer, examples: list[Example], outputs, reward_fn: RewardFn) -> float:
-    """Mean reward; a response is its decoded ids without the stop token."""
-    total = 0.0
-    for ex, out in zip(examples, outputs):
-        text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        total += reward_fn(ex.prompt, text, ex.answer)
-    return total / max(1, len(examples))
-
-
-def accuracy(engine, tokenizer, examples: list[Example], reward_fn: RewardFn, temperature: float,
-             max_new_tokens: int) -> float:
-    """With a synchronous `LLMEngine` (the warm-up job and tests); actors use eval_requests/score."""
-    outputs = engine.generate(eval_requests(tokenizer, examples, temperature, max_new_tokens))
-    return score(tokenizer, examples, outputs, reward_fn)
+async def accuracy(worker, items: list[EvalItem], temperature: float) -> float:
+    """Mean reward of one response per item at `temperature` (0: greedy) on an in-process EngineWorker."""
+    rewards = await worker.evaluate(items, temperature, f"eval-t{temperature}")
+    return sum(rewards) / max(1, len(items))

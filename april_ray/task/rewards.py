@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from april_ray.task import countdown_reward
+from april_ray.task.countdown import countdown_reward
 
 RewardFn = Callable[[str, str, str], float]
 """(prompt, response, answer) -> reward."""

@@ -1,6 +1,6 @@
 """Engine speed: saturated decode throughput vs `model.generate`, and throughput by concurrency.
 
-    python -m jobs.bench_engine --json PATH [--threads N] [--task-seconds S] [key=value ...]
+    python -m jobs.bench.engine --json PATH [--threads N] [--task-seconds S] [key=value ...]
 
 Both sides sample 128 new tokens for each of the same 64 prompts (temperature 1, no stop token), with
 the same torch thread count, interleaved over `--repeats` rounds; the median of each is reported.
@@ -10,16 +10,18 @@ always running, each finished one replaced at once (real stop token and response
 """
 from __future__ import annotations
 
-import itertools
+import asyncio
 import statistics
 import time
 
 import torch
 
 from jobs.common import parse, write_result
-from april_ray.data import dataset_paths, read_examples
+from april_ray.engine.async_engine import AsyncEngine
 from april_ray.engine.cpu_engine import LLMEngine
+from april_ray.engine.probe import saturated_throughput
 from april_ray.model import ensure_model, load_policy
+from april_ray.task.data import dataset_paths, read_examples
 from april_ray.types import GenerateRequest, SamplingParams
 
 NEW_TOKENS = 128
@@ -38,24 +40,11 @@ def engine_tok_s(model, prompts: list[list[int]], concurrency: int, max_model_le
 
 def task_mix_tok_s(model, prompts: list[list[int]], sampling: SamplingParams, concurrency: int,
                    max_model_len: int, seconds: float, warmup_s: float = 1.0) -> tuple[float, float]:
-    """(tokens/s, mean running rows per step) over `seconds` after `warmup_s`."""
-    engine = LLMEngine(model, max_num_seqs=concurrency, max_model_len=max_model_len)
-    ids = itertools.count()
-
-    def add() -> None:
-        i = next(ids)
-        engine.add_request(GenerateRequest(f"m{i}", prompts[i % len(prompts)], sampling))
-
-    for _ in range(concurrency):
-        add()
-    start, t0, n0, k0 = time.perf_counter(), None, 0, 0
-    while t0 is None or time.perf_counter() - t0 < seconds:
-        if t0 is None and time.perf_counter() - start >= warmup_s:
-            t0, n0, k0 = time.perf_counter(), engine.num_generated_tokens, len(engine.occupancy)
-        for _ in engine.step():
-            add()
-    rows = [n for _, n in engine.occupancy[k0:]]
-    return (engine.num_generated_tokens - n0) / (time.perf_counter() - t0), sum(rows) / max(1, len(rows))
+    """(tokens/s, mean running rows per step) over `seconds` after `warmup_s`: the engine actor's ceiling
+    probe (`april_ray/engine/probe.py`), on an engine of its own."""
+    engine = AsyncEngine(LLMEngine(model, max_num_seqs=concurrency, max_model_len=max_model_len))
+    tokens, dt, rows = asyncio.run(saturated_throughput(engine, prompts, sampling, concurrency, seconds, warmup_s))
+    return tokens / dt, rows
 
 
 def hf_generate_tok_s(model, tok, prompts: list[list[int]]) -> float:
@@ -97,9 +86,9 @@ def main() -> None:
     prompts = [pool[i % len(pool)] for i in range(max(CURVE))]
     max_len = max(map(len, prompts)) + NEW_TOKENS + 1
 
-    task_sampling = SamplingParams(temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_response_len,
+    task_sampling = SamplingParams(temperature=cfg.sampling.temperature, max_new_tokens=cfg.sampling.max_response_len,
                                    stop_token_ids=(tok.eos_token_id,))
-    task_len = max(map(len, pool)) + cfg.rollout.max_response_len + 1
+    task_len = max(map(len, pool)) + cfg.sampling.max_response_len + 1
     engine_runs, hf_runs, task_runs = [], [], []
     for _ in range(args.repeats):
         engine_runs.append(engine_tok_s(model, prompts[:BATCH], BATCH, max_len))
@@ -119,7 +108,7 @@ def main() -> None:
         "hf_continuous_batching_tok_s": hf_cb,
         "engine_runs": [round(x, 1) for x in engine_runs], "hf_generate_runs": [round(x, 1) for x in hf_runs],
         "setup": {"batch": BATCH, "new_tokens": NEW_TOKENS, "threads": threads,
-                  "task_mix": {"concurrency": cfg.engine.max_num_seqs, "max_new_tokens": cfg.rollout.max_response_len,
+                  "task_mix": {"concurrency": cfg.engine.max_num_seqs, "max_new_tokens": cfg.sampling.max_response_len,
                                "seconds": args.task_seconds},
                   "params": sum(p.numel() for p in model.parameters())},
     }

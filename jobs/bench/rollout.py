@@ -1,6 +1,6 @@
 """Rollout benchmark: the synchronous baseline vs APRIL on the same engines and data, in one run.
 
-    python -m jobs.bench_rollout --json PATH [--sweep] [--steps 10] [--config YAML] [key=value ...]
+    python -m jobs.bench.rollout --json PATH [--sweep] [--steps 10] [--config YAML] [key=value ...]
 
 The config defaults to configs/tiny_cpu.yaml, the embedded default the main job trains with.
 
@@ -15,7 +15,7 @@ task's prompts (each finished request replaced at once) for `--probe-seconds`, s
 length mix but no tail and no interruption. Utilization is effective over the mean of the probes that
 bracket a part of the run.
 
-When the engines park interrupted samples' KV caches (engine.park_slots, kv_reuse_max_staleness > 0),
+When the engines park interrupted samples' KV caches (engine.park_slots > 0, engine.reuse_stale_kv),
 a third mode, `april_recompute`, runs APRIL again with reuse switched off on the same engines: every
 resume re-prefills, as in slime and AReaL. `kv_reuse_speedup` is APRIL over it.
 """
@@ -28,13 +28,16 @@ from pathlib import Path
 import numpy as np
 import ray
 
+from jobs.bench.steplog import StepLog, public
 from jobs.common import init_ray, parse, write_result
-from actors.system import Engines, start_engines, start_rollout
 from april_ray.config import Config
-from april_ray.data import dataset_paths, read_examples
-from april_ray.model import ensure_model, load_policy
+from april_ray.model import load_policy
+from april_ray.task.data import read_examples
+from driver.engines import EngineGroup
+from driver.rollout import RolloutGroup
+from driver.setup import JobInputs, prepare
 
-def saturated_tok_s(engines: Engines, prompts: list[list[int]], seconds: float) -> tuple[float, float]:
+def saturated_tok_s(engines: EngineGroup, prompts: list[list[int]], seconds: float) -> tuple[float, float]:
     """(tokens/s with every slot busy, the engine threads' CPU time over their step time meanwhile)."""
     before = engines.stats(drain=True)
     results = ray.get([e.throughput_probe.remote(prompts, cap, seconds)
@@ -49,69 +52,16 @@ def on_core(before, after) -> float:
     return sum(a.cpu_s - b.cpu_s for a, b in zip(after, before)) / busy if busy else 0.0
 
 
-COUNTERS = {"engine_decoded_tokens": "num_generated_tokens", "engine_prefill_tokens": "num_prefill_tokens",
-            "engine_reused_kv_tokens": "num_reused_tokens", "engine_busy_s": "busy_s", "engine_cpu_s": "cpu_s"}
-
-
-def set_kv_reuse(engines: Engines, enabled: bool) -> None:
+def set_kv_reuse(engines: EngineGroup, enabled: bool) -> None:
     ray.get([e.set_kv_reuse.remote(enabled) for e in engines.actors])
-
-
-class StepLog:
-    """What a rollout bench keeps of each measured step of one mode, and the figures it reports from them
-    (shared by this Ray bench and the in-process one, jobs/bench_schedule.py)."""
-
-    def __init__(self, n_samples_per_prompt: int):
-        self.n_samples = n_samples_per_prompt
-        self.wall, self.rows, self.latencies, self.occupancy, self.lengths = 0.0, [], [], [], []
-        self.seen, self.duplicated = set(), 0
-        self.counters = dict.fromkeys(COUNTERS, 0)
-
-    def add(self, dt: float, result, store_groups: int, before: list, after: list) -> None:
-        """One step's result, with each engine's stats before and after it (drained after)."""
-        self.wall += dt
-        for key, field in COUNTERS.items():
-            self.counters[key] += sum(getattr(a, field) - getattr(b, field) for a, b in zip(after, before))
-        self.rows.append(result.metrics | {"store_groups": store_groups})
-        self.latencies.append(result.metrics["rollout/abort_latency_s"])
-        self.occupancy.append([s.occupancy for s in after])
-        for meta in (m for group in result.metas for m in group):
-            self.duplicated += meta.sample_id in self.seen
-            self.seen.add(meta.sample_id)
-            self.lengths.append(meta.response_len)
-
-    def summary(self, num_engines: int, groups_unaccounted: int) -> dict:
-        """`groups_unaccounted`: groups taken from the source minus returned, dropped and stored."""
-        rows, wall, c = self.rows, self.wall, self.counters
-        trained = sum(r["rollout/trained_tokens"] for r in rows)
-        off = sum(r["rollout/off_policy_token_ratio"] * r["rollout/trained_tokens"] for r in rows)
-        return {
-            "effective_tok_s": trained / wall,
-            "generated_tok_s": sum(r["rollout/generated_tokens"] for r in rows) / wall,
-            "abort_latency_ms_p99": float(np.percentile(self.latencies, 99) * 1000),
-            "abort_latency_ms_p50": float(np.percentile(self.latencies, 50) * 1000),
-            "off_policy_token_ratio": off / max(1, trained),
-            "max_staleness": max(r["rollout/staleness_max"] for r in rows),
-            "store_groups_mean": float(np.mean([r["store_groups"] for r in rows])),
-            "running_rows_mean": float(np.mean([n for step in self.occupancy for eng in step for _, n in eng] or [0])),
-            "boundary_ms": {part: float(np.mean([r[f"rollout/{key}"] for r in rows]) * 1000)
-                            for part, key in (("start", "start_s"), ("abort", "abort_latency_s"), ("store", "store_s"))},
-            # Engines inside a step over the rollout wall, and on a core while inside it.
-            "engine_busy_fraction": c["engine_busy_s"] / (wall * num_engines),
-            "engine_on_core": c["engine_cpu_s"] / max(1e-9, c["engine_busy_s"]),
-            "prefill_per_decoded": c["engine_prefill_tokens"] / max(1, c["engine_decoded_tokens"]),
-            "wall_s": wall, "steps": len(rows), "trained_tokens": trained, **c,
-            "lost_samples": groups_unaccounted * self.n_samples,
-            "duplicated_samples": self.duplicated,
-        }
 
 
 class Mode:
     """One rollout configuration with its own source, store and monitor on the shared engines."""
 
-    def __init__(self, name: str, cfg: Config, model_path, engines: Engines, kv_reuse: bool = True):
+    def __init__(self, name: str, cfg: Config, job: JobInputs, engines: EngineGroup, kv_reuse: bool = True):
         self.name, self.cfg, self.engines, self.kv_reuse = name, cfg, engines, kv_reuse
-        self.actors = start_rollout(cfg, model_path, engines)
+        self.actors = RolloutGroup.start(cfg, job.model_path, job.train_path, engines)
         self.log = StepLog(cfg.rollout.n_samples_per_prompt)
 
     def step(self, step: int, version: int, measured: bool) -> None:
@@ -135,7 +85,7 @@ class Mode:
                 "_occupancy": self.log.occupancy, "_lengths": self.log.lengths}
 
 
-def run_interleaved(modes: list[Mode], engines: Engines, weights_ref, steps: int, warmup_steps: int,
+def run_interleaved(modes: list[Mode], engines: EngineGroup, weights_ref, steps: int, warmup_steps: int,
                     probe=None, probe_every: int = 0) -> dict:
     """Step i of every mode, one after the other, then step i + 1: the machine's drift over the run
     (its throughput moved by 20% within one run here) falls on every mode alike. Every mode's step i runs
@@ -204,11 +154,7 @@ def plot(out_dir: Path, modes: dict[str, dict], cap: int) -> list[str]:
     return files + [str(path)]
 
 
-def public(res: dict) -> dict:
-    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items() if not k.startswith("_")}
-
-
-def sweep(cfg: Config, model_path, engines: Engines, weights_ref, steps: int, warmup_steps: int,
+def sweep(cfg: Config, job: JobInputs, engines: EngineGroup, weights_ref, steps: int, warmup_steps: int,
           ceiling_before: float, probe) -> dict:
     """The paper's ablation of the over-provisioning factor N'/N. Each point runs interleaved with a sync
     baseline of its own (every Ray actor costs ~1% of a core even idle, so the points do not all run at
@@ -219,10 +165,10 @@ def sweep(cfg: Config, model_path, engines: Engines, weights_ref, steps: int, wa
             "engine_busy_fraction", "engine_on_core")
     out = {}
     for ratio in (1, 1.5, 2, 3, 4):
-        modes = [Mode("sync", with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n), model_path,
+        modes = [Mode("sync", with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n), job,
                       engines),
                  Mode("april", with_rollout(cfg, partial_rollout=True, over_sampling_batch_size=int(round(ratio * n))),
-                      model_path, engines)]
+                      job, engines)]
         res = run_interleaved(modes, engines, weights_ref, steps, warmup_steps)
         sync, april = res["sync"], res["april"]
         ceiling_after = probe()
@@ -237,7 +183,7 @@ def sweep(cfg: Config, model_path, engines: Engines, weights_ref, steps: int, wa
 
 def main() -> None:
     def extra(p):
-        p.set_defaults(config=str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"))
+        p.set_defaults(config=str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"))
         p.add_argument("--json", required=True)
         p.add_argument("--sweep", action="store_true", help="also run APRIL at N'/N = 1, 1.5, 2, 3, 4")
         p.add_argument("--steps", type=int, default=10)
@@ -250,13 +196,12 @@ def main() -> None:
     cfg, args = parse(__doc__, extra)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model_path = ensure_model(cfg)
-    init_ray(cfg)
-    engines = start_engines(cfg, model_path)
-    model, tok = load_policy(model_path)
+    job = prepare(cfg)
+    init_ray(job.layout)
+    engines = EngineGroup.start(cfg, job.model_path, job.layout)
+    model, tok = load_policy(job.model_path)
     weights_ref = ray.put({k: v.clone() for k, v in model.state_dict().items()})
-    _, eval_path = dataset_paths(cfg.task, cfg.model.cache_dir)
-    probe_prompts = [tok.encode(ex.prompt) for ex in read_examples(eval_path)]
+    probe_prompts = [tok.encode(ex.prompt) for ex in read_examples(job.eval_path)]
 
     saturated, probe_on_core = [], []
 
@@ -269,11 +214,11 @@ def main() -> None:
     probe()
 
     n = cfg.rollout.rollout_batch_size
-    modes = [Mode("sync", with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n), model_path, engines),
-             Mode("april", with_rollout(cfg, partial_rollout=True), model_path, engines)]
-    if cfg.engine.park_slots and cfg.engine.kv_reuse_max_staleness:
+    modes = [Mode("sync", with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n), job, engines),
+             Mode("april", with_rollout(cfg, partial_rollout=True), job, engines)]
+    if cfg.engine.park_slots and cfg.engine.reuse_stale_kv:
         # Ablation in the same run: APRIL with every resume re-prefilled, as in slime and AReaL.
-        modes.append(Mode("april_recompute", with_rollout(cfg, partial_rollout=True), model_path, engines,
+        modes.append(Mode("april_recompute", with_rollout(cfg, partial_rollout=True), job, engines,
                           kv_reuse=False))
     results = run_interleaved(modes, engines, weights_ref, args.steps, args.warmup_steps, probe, args.probe_every)
     probe()
@@ -291,13 +236,13 @@ def main() -> None:
         "duplicated_samples": sum(res["duplicated_samples"] for res in results.values()),
         "config": {"rollout_batch_size": n, "over_sampling_batch_size": cfg.rollout.over_sampling_batch_size,
                    "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
-                   "num_engines": cfg.rollout.num_engines, "max_num_seqs": cfg.engine.max_num_seqs,
-                   "max_response_len": cfg.rollout.max_response_len, "park_slots": cfg.engine.park_slots,
-                   "kv_reuse_max_staleness": cfg.engine.kv_reuse_max_staleness},
+                   "num_engines": cfg.engine.num_engines, "max_num_seqs": cfg.engine.max_num_seqs,
+                   "max_response_len": cfg.sampling.max_response_len, "park_slots": cfg.engine.park_slots,
+                   "reuse_stale_kv": cfg.engine.reuse_stale_kv, "max_staleness": cfg.staleness.max_versions},
         "plots": plot(out_dir, results, engines.capacities[0]),
     }
     if args.sweep:
-        result["sweep"] = sweep(cfg, model_path, engines, weights_ref, args.sweep_steps, args.warmup_steps,
+        result["sweep"] = sweep(cfg, job, engines, weights_ref, args.sweep_steps, args.warmup_steps,
                                 saturated[-1], probe)
         result["saturated_runs"] = saturated
     write_result(args.json, result)

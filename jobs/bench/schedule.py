@@ -1,13 +1,13 @@
 """The schedules alone: the synchronous baseline vs APRIL on one engine in this process, without Ray.
 
-    python -m jobs.bench_schedule --json PATH [--steps 30] [--factors 1,1.5,2,3] [--config YAML] [key=value ...]
+    python -m jobs.bench.schedule --json PATH [--steps 30] [--factors 1,1.5,2,3] [--config YAML] [key=value ...]
 
-The same logic as the Ray run (`Rollout`, the CompletionMonitor's logic; `PromptSource`;
-`PartialRolloutStore`; `EngineWorker` on the CPU engine), wired on one event loop by `april_ray.local`:
+The same logic as the Ray run (`CompletionMonitor`; `PromptSource`;
+`PartialRolloutStore`; `EngineWorker` on the CPU engine), wired on one event loop by `april_ray.rollout.local`:
 no serialization, no calls between processes, no control-plane process on the engine's core. One engine
 carries one engine's share of the Ray run's load: N / E groups a step, N' / E in flight (E =
-rollout.num_engines). So this measures what each schedule gets out of the engine's batch curve, which
-bounds what `jobs.bench_rollout` can reach with the same engine; the rest of the gap is transport and the
+engine.num_engines). So this measures what each schedule gets out of the engine's batch curve, which
+bounds what `jobs.bench.rollout` can reach with the same engine; the rest of the gap is transport and the
 cores the control plane takes.
 
 Every mode has its own engine (same weights and seed), source (same seed, so the same prompts) and store;
@@ -24,24 +24,26 @@ from pathlib import Path
 
 import numpy as np
 
-from jobs.bench_rollout import StepLog, public, with_rollout
+from jobs.bench.rollout import with_rollout
+from jobs.bench.steplog import StepLog, public
 from jobs.common import parse, write_result
 from april_ray.config import Config, ConfigError
-from april_ray.data import dataset_paths, read_examples
-from april_ray.engine_worker import build_worker
-from april_ray.local import LocalPool, LocalProxy
-from april_ray.model import ensure_model, load_policy
-from april_ray.prompt_source import PromptSource
-from april_ray.rollout import Rollout
-from april_ray.store import PartialRolloutStore
+from april_ray.model import load_policy
+from april_ray.rollout.engine_worker import build_worker
+from april_ray.rollout.local import LocalPool, LocalProxy
+from april_ray.rollout.monitor import CompletionMonitor
+from april_ray.rollout.prompt_source import PromptSource
+from april_ray.rollout.store import PartialRolloutStore
+from april_ray.task.data import read_examples
+from driver.setup import JobInputs, prepare
 
 
 def per_engine(cfg: Config, factor: float | None) -> tuple[int, int]:
     """(N, N') for one engine: the Ray run's N / E, and N' = factor x that (the config's N' / E if None)."""
-    r, e = cfg.rollout, cfg.rollout.num_engines
+    r, e = cfg.rollout, cfg.engine.num_engines
     if r.rollout_batch_size % e:
         raise ConfigError(f"rollout.rollout_batch_size={r.rollout_batch_size} does not split over "
-                          f"rollout.num_engines={e} engines")
+                          f"engine.num_engines={e} engines")
     n = r.rollout_batch_size // e
     return n, max(n, int(round(factor * n)) if factor is not None else r.over_sampling_batch_size // e)
 
@@ -52,11 +54,12 @@ class LocalMode:
     def __init__(self, name: str, cfg: Config, model_path: str, train_examples, encode):
         self.name, self.cfg = name, cfg
         r = cfg.rollout
-        self.worker = build_worker(cfg.engine, r, cfg.task.name, model_path)
-        self.source = PromptSource(train_examples, encode, r.n_samples_per_prompt, r.max_response_len, cfg.task.seed)
-        self.store = PartialRolloutStore(r.max_staleness, r.stale_policy)
-        self.rollout = Rollout(r, LocalPool([self.worker], [cfg.engine.max_num_seqs]), LocalProxy(self.source),
-                               LocalProxy(self.store))
+        self.worker = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task.name, model_path)
+        self.source = PromptSource(train_examples, encode, r.n_samples_per_prompt, cfg.sampling.max_response_len,
+                                   cfg.task.seed)
+        self.store = PartialRolloutStore(cfg.staleness.max_versions, cfg.staleness.policy)
+        self.rollout = CompletionMonitor(r, LocalPool([self.worker], [cfg.engine.max_num_seqs]),
+                                         LocalProxy(self.source), LocalProxy(self.store))
         self.log = StepLog(r.n_samples_per_prompt)
 
     async def step(self, step: int, measured: bool) -> None:
@@ -77,12 +80,12 @@ class LocalMode:
                 **res, "utilization": res["effective_tok_s"] / ceiling}
 
 
-async def run(cfg: Config, args, model_path: str) -> dict:
+async def run(cfg: Config, args, job: JobInputs) -> dict:
+    model_path = job.model_path
     model, tok = load_policy(model_path)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    train_path, eval_path = dataset_paths(cfg.task, cfg.model.cache_dir)
-    train = read_examples(train_path, cfg.task.prompt_key, cfg.task.answer_key)
-    probe_prompts = [tok.encode(ex.prompt) for ex in read_examples(eval_path)]
+    train = read_examples(job.train_path, cfg.task.prompt_key, cfg.task.answer_key)
+    probe_prompts = [tok.encode(ex.prompt) for ex in read_examples(job.eval_path)]
     n, _ = per_engine(cfg, None)
     factors = [float(f) for f in args.factors.split(",")]
     modes = [LocalMode("sync", with_rollout(cfg, partial_rollout=False, rollout_batch_size=n,
@@ -92,7 +95,7 @@ async def run(cfg: Config, args, model_path: str) -> dict:
         modes.append(LocalMode(f"april_{f:g}", with_rollout(cfg, partial_rollout=True, rollout_batch_size=n,
                                                             over_sampling_batch_size=n_prime),
                                model_path, train, tok.encode))
-    prober = build_worker(cfg.engine, cfg.rollout, cfg.task.name, model_path)
+    prober = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task.name, model_path)
     ceilings = []
 
     async def probe() -> None:
@@ -115,14 +118,14 @@ async def run(cfg: Config, args, model_path: str) -> dict:
         res["speedup"] = res["effective_tok_s"] / sync
     return {"saturated_tok_s": ceiling, "saturated_runs": ceilings, **results,
             "config": {"rollout_batch_size": n, "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
-                       "max_num_seqs": cfg.engine.max_num_seqs, "max_response_len": cfg.rollout.max_response_len,
-                       "park_slots": cfg.engine.park_slots,
-                       "kv_reuse_max_staleness": cfg.engine.kv_reuse_max_staleness, "factors": factors}}
+                       "max_num_seqs": cfg.engine.max_num_seqs, "max_response_len": cfg.sampling.max_response_len,
+                       "park_slots": cfg.engine.park_slots, "reuse_stale_kv": cfg.engine.reuse_stale_kv,
+                       "max_staleness": cfg.staleness.max_versions, "factors": factors}}
 
 
 def main() -> None:
     def extra(p):
-        p.set_defaults(config=str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"))
+        p.set_defaults(config=str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"))
         p.add_argument("--json", required=True)
         p.add_argument("--steps", type=int, default=20)
         p.add_argument("--warmup-steps", type=int, default=2)
@@ -134,8 +137,8 @@ def main() -> None:
     try:
         per_engine(cfg, None)
     except ConfigError as e:
-        raise SystemExit(f"bench_schedule: {e}")
-    result = asyncio.run(run(cfg, args, str(ensure_model(cfg))))
+        raise SystemExit(f"jobs.bench.schedule: {e}")
+    result = asyncio.run(run(cfg, args, prepare(cfg)))
     write_result(args.json, result)
 
 

@@ -1,6 +1,6 @@
 """Training benchmark: the synchronous baseline and APRIL, same seed and config, in one run.
 
-    python -m jobs.bench_train --json PATH [--target ACC] [key=value ...]
+    python -m jobs.bench.train --json PATH [--target ACC] [key=value ...]
 
 Reports for each mode the training wall time (rollout + train + weight sync; evaluation excluded) until
 held-out accuracy (temperature 1.0) first reaches the target, and the final accuracy. The target
@@ -12,6 +12,7 @@ import dataclasses
 from pathlib import Path
 
 from jobs.common import init_ray, parse, write_result
+from april_ray.placement import plan
 from jobs.train import train
 
 
@@ -26,7 +27,7 @@ def main() -> None:
         p.add_argument("--gain", type=float, default=0.05, help="target = accuracy before + gain")
 
     cfg, args = parse(__doc__, extra)
-    init_ray(cfg)
+    init_ray(plan(cfg))
     base = Path(cfg.train.output_dir)
     runs = {}
     for mode, rollout in (("sync", {"partial_rollout": False,

@@ -1,0 +1,116 @@
+"""The learner's optimiser backends, one class each, chosen once when the learner is built.
+
+Both wrap the policy and expose the same five operations: forward through `model`, `backward` of one
+micro-batch's loss, `step` at the end of a batch (returns the gradient norm), `full_state_dict` (full
+weights on CPU for the engines and for saving), and `save` / `load` of the optimiser state.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from april_ray.config import LearnerConfig
+
+
+class TorchOptim:
+    """Plain torch AdamW on one rank."""
+
+    def __init__(self, model, cfg: LearnerConfig):
+        self.model = self.module = model
+        self.cfg = cfg
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.steps = 0
+
+    def backward(self, loss: torch.Tensor, is_last: bool) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return float(norm)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def save(self, path: Path, rank: int) -> None:
+        if rank == 0:
+            torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps}, path / "optimizer.pt")
+
+    def load(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        # With tied embeddings save_pretrained stores embed_tokens and not lm_head: allow only that gap.
+        missing, unexpected = self.module.load_state_dict(load_file(path / "policy" / "model.safetensors"), strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise ValueError(f"{path}/policy does not match the policy (missing {missing}, unexpected {unexpected})")
+        state = torch.load(path / "optimizer.pt")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = state["steps"]
+
+
+class DeepSpeedOptim:
+    """DeepSpeed ZeRO 0-3 (gloo on CPU, NCCL/RCCL on GPU) over the data-parallel ranks."""
+
+    def __init__(self, model, cfg: LearnerConfig, rank: int, world_size: int, master_port: int):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.model, self.optimizer = init_deepspeed(model, optimizer, cfg, rank, world_size, master_port)
+        self.module = self.model.module
+        self.cfg = cfg
+
+    @property
+    def steps(self) -> int:
+        return self.model.global_steps
+
+    def backward(self, loss: torch.Tensor, is_last: bool) -> None:
+        self.model.set_gradient_accumulation_boundary(is_last)
+        self.model.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        self.model.step()
+        norm = self.model.get_global_grad_norm()
+        return float(norm) if norm is not None else 0.0
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Under ZeRO-3 the weights are partitioned: every rank must take part in gathering them."""
+        if self.cfg.zero_stage == 3:
+            return {k: v.cpu() for k, v in self.model._zero3_consolidated_16bit_state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def save(self, path: Path, rank: int) -> None:
+        self.model.save_checkpoint(str(path / "optimizer"), tag="state")
+
+    def load(self, path: Path) -> None:
+        self.model.load_checkpoint(str(path / "optimizer"), tag="state")
+
+
+def build_optim(model, cfg: LearnerConfig, rank: int, world_size: int, master_port: int):
+    if cfg.backend == "deepspeed":
+        return DeepSpeedOptim(model, cfg, rank, world_size, master_port)
+    return TorchOptim(model, cfg)
+
+
+def init_deepspeed(model, optimizer, cfg: LearnerConfig, rank: int, world_size: int, master_port: int):
+    """A module-level function on purpose: Ray cannot pickle actor methods that touch `deepspeed.ops`."""
+    import deepspeed
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": str(master_port)})
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skips a 40 s JIT build on CPU
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": on_gpu},
+        "steps_per_print": 1 << 30,
+    }
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return engine, opt
