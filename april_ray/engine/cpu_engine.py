@@ -120,9 +120,7 @@ class LLMEngine:
         self.parked.expire(version)
 
     def flush_cache(self) -> None:
-        """Drop every parked KV cache (a resumed request re-prefills). Only between requests."""
-        if self.has_work():
-            raise RuntimeError("flush_cache: requests are running or waiting")
+        """Drop every parked KV cache: a resumed request re-prefills (running requests keep theirs)."""
         self.parked.clear()
 
     def release_memory(self, tags: list[str]) -> None:
@@ -202,6 +200,7 @@ class LLMEngine:
             seq, entry = admitted[i], parked[i]
             self.runner.copy_slot(entry.slot, seq.slot, seq.num_tokens - 1)
             seq.kv_version = entry.version
+            seq.cached_tokens = seq.num_tokens - 1
             self.num_reused_tokens += seq.num_tokens - 1
         return [admitted[i] for i in fresh]
 

@@ -23,6 +23,8 @@ class Sequence:
     slot: int = -1
     kv_version: int = -1
     """Oldest weights version that computed any of this sequence's cached keys and values."""
+    cached_tokens: int = 0
+    """Input tokens restored from a parked cache instead of prefilled."""
 
     @property
     def num_tokens(self) -> int:
@@ -43,7 +45,8 @@ class Sequence:
         return None
 
     def output(self, reason: FinishReason) -> GenerateOutput:
-        return GenerateOutput(self.request.request_id, self.token_ids, self.logprobs, self.versions, reason)
+        return GenerateOutput(self.request.request_id, self.token_ids, self.logprobs, self.versions, reason,
+                              self.cached_tokens)
 
 
 class Scheduler:

@@ -15,6 +15,7 @@ plain containers, nothing else.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import io
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing.reduction import ForkingPickler
+
+from april_ray.engine.sglang_server import free_port
 
 
 DEFAULT_GROUP = "weight_update_group"
@@ -49,6 +52,11 @@ def init_custom_process_group(backend: str, master_address: str, master_port: in
 
 def destroy_group(pg) -> None:
     dist.destroy_process_group(pg)
+
+
+def comm_device(backend: str, device: torch.device | str) -> torch.device:
+    """Where a broadcast's tensors must live: gloo moves CPU tensors, NCCL GPU ones."""
+    return torch.device("cpu") if backend == "gloo" else torch.device(device)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -184,3 +192,84 @@ def load_named_tensors(model: torch.nn.Module, named: list[tuple[str, torch.Tens
     with torch.no_grad():
         for name, t in named:
             targets[name].data.copy_(t)
+
+
+# -- the learner's side, over the servers' HTTP clients (`sglang_client.SGLangEngine`) ---------------------
+
+class BroadcastSender:
+    """Learner rank 0's end of the broadcast: one group with every server (each server's TP ranks follow
+    `rank_offset`), metadata of each bucket over HTTP, its tensors by broadcast. Servers are paused in
+    place around an update, so no request samples from half-updated weights."""
+
+    def __init__(self, clients, master_address: str, backend: str, bucket_mb: float, tp_size: int = 1,
+                 group_name: str = DEFAULT_GROUP, timeout_s: float = 300.0):
+        self.clients, self.master_address, self.backend = clients, master_address, backend
+        self.bucket_bytes = int(bucket_mb * (1 << 20))
+        self.tp_size, self.group_name, self.timeout_s = tp_size, group_name, timeout_s
+        self.pg = None
+
+    async def connect(self) -> None:
+        port, world = free_port(self.master_address), 1 + len(self.clients) * self.tp_size
+        joins = asyncio.gather(*[c.init_weights_update_group(self.master_address, port, 1 + i * self.tp_size, world,
+                                                             self.group_name, self.backend)
+                                 for i, c in enumerate(self.clients)])
+        self.pg = await asyncio.to_thread(init_custom_process_group, self.backend, self.master_address, port, 0,
+                                          world, self.group_name, self.timeout_s)
+        await joins
+
+    async def send(self, named: list[tuple[str, torch.Tensor]], version: int, flush_cache: bool) -> None:
+        if self.pg is None:
+            await self.connect()
+        device = comm_device(self.backend, "cuda")
+        await asyncio.gather(*[c.pause_generation("in_place") for c in self.clients])
+        parts = buckets(named, self.bucket_bytes)
+        for i, bucket in enumerate(parts):
+            meta = bucket_meta(bucket)
+            last = version if i == len(parts) - 1 else None
+            posts = asyncio.gather(*[c.update_weights_from_distributed(meta.names, meta.dtypes, meta.shapes,
+                                                                       self.group_name, flush_cache, last)
+                                     for c in self.clients])
+            await asyncio.to_thread(broadcast_bucket, self.pg, bucket, device)
+            await posts
+        await asyncio.gather(*[c.continue_generation() for c in self.clients])
+
+    async def close(self) -> None:
+        if self.pg is not None:
+            await asyncio.gather(*[c.destroy_weights_update_group(self.group_name) for c in self.clients])
+            destroy_group(self.pg)
+            self.pg = None
+
+
+async def send_tensors(client, named: list[tuple[str, torch.Tensor]], version: int, flush_cache: bool,
+                       bucket_mb: float, tp_size: int = 1) -> None:
+    """Colocated: hand this learner's tensors to the server on its own GPU (or CPU), bucket by bucket;
+    each bucket's tensors stay referenced until the server has loaded them."""
+    await client.pause_generation("in_place")
+    parts = buckets(named, int(bucket_mb * (1 << 20)))
+    for i, bucket in enumerate(parts):
+        payload, keep = serialize_named_tensors(bucket)
+        await client.update_weights_from_tensor([payload] * tp_size, flush_cache,
+                                                version if i == len(parts) - 1 else None)
+        del keep
+    await client.continue_generation()
+
+
+def save_for_disk_update(named: list[tuple[str, torch.Tensor]], out_dir: str, base_model_dir: str) -> None:
+    """Write the weights as one safetensors file next to the base model's config files (a real SGLang
+    server reads the config too). Tied tensors are written once, as safetensors requires."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out, seen, tensors = Path(out_dir), set(), {}
+    out.mkdir(parents=True, exist_ok=True)
+    for name, t in named:
+        key = (t.data_ptr(), t.dtype, tuple(t.shape))
+        if key not in seen:
+            seen.add(key)
+            tensors[name] = t.detach().to("cpu").contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    for f in Path(base_model_dir).glob("*.json"):
+        if not f.name.endswith(".index.json"):
+            shutil.copy(f, out / f.name)

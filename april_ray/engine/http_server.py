@@ -1,0 +1,379 @@
+"""Our CPU engine behind SGLang's HTTP API, so the SGLang client, its abort and pause semantics and the
+weight-sync paths run end to end without a GPU (and, with `--device cuda`, on one).
+
+    python -m april_ray.engine.http_server --model-path DIR --port N [--host 127.0.0.1] [--max-num-seqs 64]
+
+Field names, defaults and replies follow SGLang's `srt/entrypoints/http_server.py` and
+`srt/managers/io_struct.py` (0.5.x) for what april-ray uses: `/generate` with `input_ids` only (a server
+started with `--skip-tokenizer-init`), `/abort_request`, `/pause_generation` (abort | retract | in_place),
+`/continue_generation`, the weight endpoints (`http_weights.py`), memory release and resume, `/flush_cache`,
+`/health`, `/model_info`, `/get_server_info`. Differences: per-token versions come back exactly as
+`meta_info.weight_versions` spans (SGLang reports the same field); `kv_cache` release also drops the
+parked caches of aborted requests (our prefix cache).
+
+A `/generate` call is a `Call`: it waits at the gate while generation is paused or weights are being
+replaced, then runs in the engine; a retracted call re-enters after `/continue_generation` with the
+tokens it has (its KV cache dropped, as SGLang's retract does); an abort anywhere returns what it has.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from april_ray.engine.async_engine import AsyncEngine
+from april_ray.engine.cpu_engine import LLMEngine
+from april_ray.engine.http_weights import WeightRoutes
+from april_ray.types import FinishReason, GenerateRequest, SamplingParams
+
+
+class BadRequest(ValueError):
+    """A client error: answered with 400 and the message, and nothing else is touched."""
+
+
+SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos"}
+NEUTRAL = {"no_stop_trim": None, "skip_special_tokens": None, "spaces_between_special_tokens": None,
+           "min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+           "repetition_penalty": 1.0, "n": 1, "stop": None, "sampling_seed": None}
+"""Keys accepted only at values that change nothing here (None: any value). output_ids always end with
+the matched stop token, as SGLang's do with --skip-tokenizer-init whatever no_stop_trim says."""
+
+
+def parse_sampling(sp: dict, eos_ids: tuple[int, ...]) -> SamplingParams:
+    for key, value in sp.items():
+        if key not in SAMPLING_KEYS and key not in NEUTRAL:
+            raise BadRequest(f"sampling_params.{key} is not supported by this server "
+                             f"(supported: {sorted(SAMPLING_KEYS | set(NEUTRAL))})")
+        if key in NEUTRAL and NEUTRAL[key] is not None and value not in (None, NEUTRAL[key]):
+            raise BadRequest(f"sampling_params.{key}={value!r} is not supported (only {NEUTRAL[key]!r})")
+    stop = tuple(int(t) for t in sp.get("stop_token_ids") or ())
+    if not sp.get("ignore_eos"):
+        stop += tuple(t for t in eos_ids if t not in stop)
+    top_k = sp.get("top_k")
+    return SamplingParams(temperature=float(_default(sp, "temperature", 1.0)), top_p=float(_default(sp, "top_p", 1.0)),
+                          top_k=-1 if top_k is None or top_k >= 1 << 30 else int(top_k),
+                          max_new_tokens=int(_default(sp, "max_new_tokens", 128)), stop_token_ids=stop)
+
+
+def _default(d: dict, key: str, value):
+    return value if d.get(key) is None else d[key]
+
+
+def parse_generate(body: dict, eos_ids: tuple[int, ...]) -> GenerateRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    if body.get("stream"):
+        raise BadRequest("stream=true is not supported by this server")
+    ids = body.get("input_ids")
+    if ids is None:
+        raise BadRequest("input_ids is required (this server has no tokenizer: text is not accepted)")
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise BadRequest("input_ids must be one list of token ids (batched requests are not supported)")
+    try:
+        sampling = parse_sampling(body.get("sampling_params") or {}, eos_ids)
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"sampling_params: {e}") from None
+    return GenerateRequest(str(body.get("rid") or uuid.uuid4().hex), ids, sampling)
+
+
+@dataclass
+class Call:
+    """One /generate call across retractions: what it generated so far and how it may end."""
+
+    request: GenerateRequest
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    in_engine: bool = False
+    aborted: bool = False
+    retracted: bool = False
+    waiter: asyncio.Future | None = None
+    finish: FinishReason | None = None
+
+
+class Server(WeightRoutes):
+    def __init__(self, engine: AsyncEngine, model_path: str, eos_ids: tuple[int, ...], weight_version: str = "0"):
+        self.engine, self.core = engine, engine.engine
+        self.model_path = model_path
+        self.eos_ids = eos_ids
+        self.calls: dict[str, Call] = {}
+        self.closed_by: set[str] = set()
+        """Why new and retracted calls wait: 'paused' (/pause_generation), 'weights' (an update)."""
+        self.idle = asyncio.Condition()
+        self.version_names = {self.core.version: weight_version}
+        self.weight_version = weight_version
+        WeightRoutes.__init__(self)
+
+    # -- generate -------------------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        req = parse_generate(body, self.eos_ids)
+        if req.request_id in self.calls:
+            raise BadRequest(f"rid {req.request_id!r} is already running")
+        call = self.calls[req.request_id] = Call(req)
+        try:
+            await self._run(call)
+        finally:
+            del self.calls[req.request_id]
+            async with self.idle:
+                self.idle.notify_all()
+        return web.json_response(self._reply(call, bool(body.get("return_logprob"))))
+
+    async def _run(self, call: Call) -> None:
+        req = call.request
+        while not call.aborted and await self._admitted(call):
+            left = req.sampling.max_new_tokens - len(call.tokens)
+            sp = SamplingParams(**{**req.sampling.__dict__, "max_new_tokens": left})
+            call.in_engine, call.retracted = True, False
+            try:
+                out = await self.engine.generate(GenerateRequest(req.request_id, req.input_ids + call.tokens, sp))
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
+            finally:
+                call.in_engine = False
+            call.tokens += out.token_ids
+            call.logprobs += out.logprobs
+            call.versions += out.versions
+            call.cached_tokens += out.cached_tokens
+            if out.finish_reason != FinishReason.ABORT:
+                call.finish = out.finish_reason
+                return
+        call.finish = FinishReason.ABORT
+
+    async def _admitted(self, call: Call) -> bool:
+        """Wait while the gate is closed; False if the call was aborted meanwhile. A retracted call that
+        finds the gate open already (continue came first) goes straight back in."""
+        if not self.closed_by:
+            return not call.aborted
+        call.waiter = asyncio.get_running_loop().create_future()
+        try:
+            return await call.waiter
+        finally:
+            call.waiter = None
+
+    def _open(self, reason: str) -> None:
+        self.closed_by.discard(reason)
+        if not self.closed_by:
+            for call in self.calls.values():
+                if call.waiter is not None and not call.waiter.done():
+                    call.waiter.set_result(True)
+
+    def _reply(self, call: Call, request_logprobs: bool) -> dict:
+        n, finish = len(call.tokens), call.finish
+        if finish == FinishReason.STOP:
+            reason = {"type": "stop", "matched": call.tokens[-1]}
+        elif finish == FinishReason.LENGTH:
+            reason = {"type": "length", "length": n}
+        else:
+            reason = {"type": "abort", "message": "Request aborted."}
+        meta = {"id": call.request.request_id, "finish_reason": reason, "prompt_tokens": len(call.request.input_ids),
+                "completion_tokens": n, "cached_tokens": call.cached_tokens, "weight_version": self.weight_version,
+                "weight_versions": self._spans(call.versions)}
+        if request_logprobs:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(call.logprobs, call.tokens)]
+        return {"output_ids": call.tokens, "meta_info": meta}
+
+    def _spans(self, versions: list[int]) -> list[dict]:
+        spans: list[dict] = []
+        for i, v in enumerate(versions):
+            name = self.version_names.get(v, str(v))
+            if spans and spans[-1]["version"] == name:
+                spans[-1]["end"] = i + 1
+            else:
+                spans.append({"version": name, "start": i, "end": i + 1})
+        return spans
+
+    # -- abort and pause ------------------------------------------------------------------------------
+    def abort_call(self, call: Call) -> None:
+        call.aborted = True
+        if call.in_engine:
+            self.engine.abort(call.request.request_id)
+        if call.waiter is not None and not call.waiter.done():
+            call.waiter.set_result(False)
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        if body.get("abort_all"):
+            for call in list(self.calls.values()):
+                self.abort_call(call)
+        elif body.get("rid") in self.calls:
+            self.abort_call(self.calls[body["rid"]])
+        return web.Response()
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        mode = (await _json(request)).get("mode") or "abort"
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"mode must be abort, retract or in_place, got {mode!r}")
+        self.closed_by.add("paused")
+        if mode == "abort":
+            for call in list(self.calls.values()):
+                self.abort_call(call)
+        elif mode == "retract":  # back to waiting, caches dropped: recomputed after continue
+            for call in self.calls.values():
+                if call.in_engine:
+                    call.retracted = True
+                    self.engine.abort(call.request.request_id, park=False)
+        else:
+            self.engine.hold()
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        self.engine.release()
+        self._open("paused")
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self, abort_all: bool = False):
+        """For a weight update: while generation is paused it goes at once (SGLang does the same); else new
+        calls wait and the update waits for the running ones to finish (or aborts them)."""
+        if "paused" in self.closed_by:
+            yield
+            return
+        self.closed_by.add("weights")
+        try:
+            if abort_all:
+                for call in list(self.calls.values()):
+                    self.abort_call(call)
+            async with self.idle:
+                await self.idle.wait_for(lambda: not any(c.in_engine for c in self.calls.values()))
+            yield
+        finally:
+            self._open("weights")
+
+    def set_version(self, name: str) -> None:
+        """Tokens sampled from now on carry this version (an int for the engine; other names are numbered)."""
+        version = int(name) if name.lstrip("-").isdigit() else self.core.version + 1
+        self.version_names[version] = self.weight_version = str(name)
+        self.engine.update_weights(None, version)
+
+    # -- memory, cache, info --------------------------------------------------------------------------
+    def _refuse_if_busy(self, what: str) -> None:
+        if self.calls or self.core.has_work():
+            raise BadRequest(f"{what}: {len(self.calls)} requests are running or waiting; it needs an idle server")
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        self._refuse_if_busy("release_memory_occupation")
+        self.core.release_memory(_tags(await _json(request)))
+        return web.json_response(None)
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        self.core.resume_memory(_tags(await _json(request)))
+        return web.json_response(None)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.calls or self.core.has_work():
+            return web.Response(status=400, text="Flush cache failed: requests are running or waiting.\n")
+        self.core.flush_cache()
+        return web.Response(text="Cache flushed.\n")
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model_path, "tokenizer_path": self.model_path,
+                                  "is_generation": True, "weight_version": self.weight_version})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        st = self.core.stats(drain=False)
+        return web.json_response({
+            "model_path": self.model_path, "weight_version": self.weight_version, "paused": bool(self.closed_by),
+            "max_num_seqs": self.core.scheduler.max_num_seqs, "max_model_len": self.core.max_model_len,
+            "num_running": st.num_running, "num_waiting": st.num_waiting, "num_calls": len(self.calls),
+            "num_generated_tokens": st.num_generated_tokens, "num_prefill_tokens": st.num_prefill_tokens,
+            "num_reused_tokens": st.num_reused_tokens, "num_parked": st.num_parked, "busy_s": st.busy_s,
+            "released": sorted(self.core.released)})
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors], client_max_size=1 << 30)
+        post = {"/generate": self.generate, "/abort_request": self.abort_request,
+                "/pause_generation": self.pause_generation, "/continue_generation": self.continue_generation,
+                "/release_memory_occupation": self.release_memory, "/resume_memory_occupation": self.resume_memory,
+                "/flush_cache": self.flush_cache, **self.weight_routes()}
+        get = {"/health": self.health, "/health_generate": self.health, "/model_info": self.model_info,
+               "/get_model_info": self.model_info, "/get_server_info": self.server_info,
+               "/server_info": self.server_info, "/flush_cache": self.flush_cache}
+        app.add_routes([web.post(p, h) for p, h in post.items()] + [web.get(p, h) for p, h in get.items()])
+        return app
+
+
+def _tags(body: dict) -> list[str]:
+    tags = body.get("tags") or ["weights", "kv_cache", "cuda_graph"]
+    bad = sorted(set(tags) - {"weights", "kv_cache", "cuda_graph"})
+    if bad:
+        raise BadRequest(f"tags: unknown {bad} (weights, kv_cache, cuda_graph)")
+    return tags
+
+
+async def _json(request: web.Request) -> dict:
+    if not request.can_read_body:
+        return {}
+    try:
+        return await request.json()
+    except ValueError as e:
+        raise BadRequest(f"the body is not JSON: {e}") from None
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """A bad request fails alone, SGLang-style: 400 with {"error": {"message": ...}}."""
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        return web.json_response({"error": {"message": str(e)}}, status=400)
+
+
+def build_server(args: argparse.Namespace) -> Server:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.num_threads)
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=getattr(torch, args.dtype)).eval()
+    model.to(args.device)
+    eos = model.generation_config.eos_token_id if model.generation_config else model.config.eos_token_id
+    eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    core = LLMEngine(model, args.max_num_seqs, args.max_model_len, args.max_prefill_tokens, args.seed, 0,
+                     args.park_slots, args.kv_reuse_max_staleness)
+    return Server(AsyncEngine(core), args.model_path, eos_ids, args.weight_version)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", required=True, help="Hugging Face directory of a Qwen3-architecture model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0: choose a free port (printed, and written to --port-file)")
+    p.add_argument("--port-file", default="", help="write the port here once listening")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=640)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--park-slots", type=int, default=0, help="spare KV slots keeping aborted requests' caches")
+    p.add_argument("--kv-reuse-max-staleness", type=int, default=0,
+                   help="versions a parked cache may lag the weights and still be reused")
+    p.add_argument("--weight-version", default="0")
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    server = build_server(args)
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    if args.port_file:
+        with open(args.port_file, "w") as f:
+            f.write(str(port))
+    print(f"april-ray engine server on http://{args.host}:{port} (model {args.model_path}, {args.device})", flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(serve(parse_args()))

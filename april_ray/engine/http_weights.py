@@ -1,0 +1,123 @@
+"""The weight endpoints of our engine server (`http_server.Server`), with SGLang's request fields and its
+{"success", "message"} replies (400 when not successful):
+
+- `/init_weights_update_group` {master_address, master_port, rank_offset, world_size, group_name, backend}:
+  join the learner's broadcast group as rank `rank_offset` (`weight_sync.init_custom_process_group`).
+- `/update_weights_from_distributed` {names, dtypes, shapes, group_name, flush_cache, abort_all_requests,
+  weight_version}: receive one bucket broadcast by rank 0 and load it.
+- `/destroy_weights_update_group` {group_name}.
+- `/update_weights_from_tensor` {serialized_named_tensors, load_format, flush_cache, abort_all_requests,
+  weight_version}: tensors handed over by handle (shared memory on CPU, CUDA IPC on GPU).
+- `/update_weights_from_disk` {model_path, abort_all_requests, weight_version, flush_cache}: safetensors files.
+- `/update_weight_version` {new_version, abort_all_requests}.
+
+Blocking work (the rendezvous, the broadcast) runs in a thread, so the server keeps answering (aborts,
+health) meanwhile; loading into the model runs on the event loop, between engine steps.
+"""
+from __future__ import annotations
+
+import asyncio
+import pickle
+from pathlib import Path
+
+from aiohttp import web
+
+from april_ray.engine import weight_sync
+
+
+class WeightRoutes:
+    """Mixed into `http_server.Server`, which provides `core`, `exclusive`, `set_version`, `abort_call`."""
+
+    def __init__(self):
+        self.groups: dict = {}
+
+    def weight_routes(self) -> dict:
+        handlers = {
+            "/init_weights_update_group": self.init_group, "/destroy_weights_update_group": self.destroy_group,
+            "/update_weights_from_distributed": self.from_distributed, "/update_weights_from_tensor": self.from_tensor,
+            "/update_weights_from_disk": self.from_disk, "/update_weight_version": self.update_version,
+        }
+        return {path: _reply(fn) for path, fn in handlers.items()}
+
+    @property
+    def device(self):
+        return self.core.runner.device
+
+    async def init_group(self, body: dict) -> str:
+        name = body.get("group_name") or weight_sync.DEFAULT_GROUP
+        if name in self.groups:
+            raise ValueError(f"group {name!r} already exists")
+        args = (body.get("backend") or "nccl", body["master_address"], int(body["master_port"]),
+                int(body["rank_offset"]), int(body["world_size"]), name)
+        pg = await asyncio.to_thread(weight_sync.init_custom_process_group, *args)
+        self.groups[name] = (pg, weight_sync.comm_device(args[0], self.device))
+        return f"Succeeded to initialize custom process group {name} as rank {body['rank_offset']}."
+
+    async def destroy_group(self, body: dict) -> str:
+        name = body.get("group_name") or weight_sync.DEFAULT_GROUP
+        if name not in self.groups:
+            raise ValueError(f"The group {name!r} to be destroyed does not exist.")
+        weight_sync.destroy_group(self.groups.pop(name)[0])
+        return "Succeeded to destroy custom process group."
+
+    async def from_distributed(self, body: dict) -> str:
+        name = body.get("group_name") or weight_sync.DEFAULT_GROUP
+        if name not in self.groups:
+            raise ValueError(f"group {name!r} does not exist: call /init_weights_update_group first")
+        if body.get("load_format") not in (None, "direct"):
+            raise ValueError(f"load_format={body['load_format']!r} is not supported (only the default)")
+        meta = weight_sync.Bucket(body["names"], body["dtypes"], body["shapes"])
+        async with self.exclusive(bool(body.get("abort_all_requests"))):
+            pg, comm_device = self.groups[name]
+            named = await asyncio.to_thread(weight_sync.receive_bucket, pg, meta, comm_device)
+            self._load([(n, t.to(self.device)) for n, t in named], body)
+        return f"Succeeded to update {len(named)} parameters online."
+
+    async def from_tensor(self, body: dict) -> str:
+        payloads = body["serialized_named_tensors"]
+        if body.get("load_format") not in (None, "direct"):
+            raise ValueError(f"load_format={body['load_format']!r} is not supported (only the default)")
+        if not isinstance(payloads, list) or len(payloads) != 1:
+            raise ValueError("serialized_named_tensors must hold one payload (this server has one TP rank)")
+        async with self.exclusive(bool(body.get("abort_all_requests"))):
+            named = weight_sync.deserialize_named_tensors(payloads[0])
+            self._load([(n, t.to(self.device)) for n, t in named], body)
+        return "Success"
+
+    async def from_disk(self, body: dict) -> str:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(body["model_path"]).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"model_path {body['model_path']!r}: no *.safetensors file there")
+        async with self.exclusive(bool(body.get("abort_all_requests"))):
+            named = [kv for f in files for kv in load_file(f, device=str(self.device)).items()]
+            self._load(named, body)
+        return f"Succeeded to update model weights from {body['model_path']}."
+
+    async def update_version(self, body: dict) -> str:
+        if body.get("abort_all_requests", True):
+            for call in list(self.calls.values()):
+                self.abort_call(call)
+        self.set_version(str(body["new_version"]))
+        return f"Weight version updated to {body['new_version']}"
+
+    def _load(self, named: list, body: dict) -> None:
+        weight_sync.load_named_tensors(self.core.runner.model, named)
+        if body.get("flush_cache", True):
+            self.core.flush_cache()
+        if body.get("weight_version") is not None:
+            self.set_version(str(body["weight_version"]))
+
+
+def _reply(fn):
+    """SGLang's weight replies: {"success", "message"}; a missing field or a refused update is a 400."""
+    async def handler(request: web.Request) -> web.Response:
+        try:
+            body = await request.json() if request.can_read_body else {}
+            message = await fn(body)
+        except (KeyError, TypeError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+            detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            return web.json_response({"success": False, "message": f"{request.path}: {detail}"}, status=400)
+        return web.json_response({"success": True, "message": message})
+    return handler

@@ -1,0 +1,243 @@
+"""`SGLangEngine`: the `engine.base.Engine` protocol over SGLang's HTTP API, so an `EngineWorker` drives a
+real `sglang.launch_server` (GPU nodes) or our CPU server (`http_server.py`) exactly as it drives the
+in-actor engine.
+
+- `generate` sends `input_ids` (a resumed sample: prompt + its tokens) with the remaining budget, clamped
+  to the context as our engine does, and maps the reply back: `output_ids`, the logprobs of
+  `output_token_logprobs`, per-token versions from `weight_versions` spans (or `weight_version` for
+  servers that report only that), and `finish_reason.type` stop | length | abort. An aborted request
+  returns its partial tokens. The request goes out with `ignore_eos` and explicit `stop_token_ids`,
+  so the stop rule is exactly the request's, as in our engine.
+- `abort` / `abort_all` are immediate for the caller and finish in the background: `abort_all` posts
+  SGLang's `abort_all`, then re-aborts, by rid, those of its requests still in flight (a request can
+  reach the server after the abort did) until none is left, a bounded number of times. By rid, so a
+  request of the next step is never caught.
+- `update_weights(None, version)` adopts the version of weights that the learner delivered itself
+  (`weight_sync.py`: broadcast, tensor handoff or disk, each stamping `weight_version`); the async
+  methods below are those deliveries' HTTP half, and pause / continue, memory release / resume,
+  `flush_cache`.
+- `stats` is counted here from the replies: generated = completion tokens, prefill = prompt tokens not
+  served from the server's prefix cache, reused = `cached_tokens`; occupancy is requests in flight.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import aiohttp
+
+from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
+
+log = logging.getLogger(__name__)
+
+FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+class ServerError(RuntimeError):
+    """An HTTP call failed: the message names the URL, the status and what the server said."""
+
+
+class BadRequestError(ServerError, ValueError):
+    """The server refused the request (400): the request's own fault, as a ValueError from our engine is."""
+
+
+class SGLangEngine:
+    def __init__(self, url: str, version: int = 0, max_model_len: int | None = None, server=None,
+                 timeout_s: float = 3600.0, abort_retries: int = 50, abort_interval_s: float = 0.05):
+        """`server`: the `sglang_server.ServerProcess` behind `url`, if we started it (errors then carry
+        its log tail). `max_model_len`: the server's context length, to clamp budgets as our engine does."""
+        self.url = url.rstrip("/")
+        self.version = version
+        self.max_model_len = max_model_len
+        self.server = server
+        self.timeout_s = timeout_s
+        self.abort_retries, self.abort_interval_s = abort_retries, abort_interval_s
+        self._session: aiohttp.ClientSession | None = None
+        self._rids: dict[str, str] = {}
+        """Our request id -> the server's rid, for requests in flight."""
+        self._tasks: set[asyncio.Task] = set()
+        self.num_generated_tokens = self.num_prefill_tokens = self.num_reused_tokens = 0
+        self.busy_s, self._busy_since = 0.0, 0.0
+        self.occupancy: list[tuple[float, int]] = []
+
+    # -- HTTP -----------------------------------------------------------------------------------------
+    def _http(self) -> aiohttp.ClientSession:
+        """One session per event loop (a learner calls from `asyncio.run` more than once)."""
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session._loop is not loop:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                  timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return self._session
+
+    async def request(self, method: str, path: str, body: dict | None = None, ok_400: bool = False):
+        """JSON in, JSON (or text) out; a failure raises with the URL, the status and the server's answer."""
+        url = f"{self.url}{path}"
+        try:
+            async with self._http().request(method, url, json=body) as r:
+                text = await r.text()
+                if r.status == 400 and ok_400:
+                    return None
+                if r.status != 200:
+                    err = BadRequestError if r.status == 400 else ServerError
+                    raise err(f"{method} {url} -> {r.status}: {text[:2000]}")
+                return await r.json(content_type=None) if text and r.content_type == "application/json" else text
+        except aiohttp.ClientError as e:
+            if self.server is not None and not self.server.alive():
+                raise self.server.died() from e
+            raise ServerError(f"{method} {url} failed: {type(e).__name__}: {e}") from e
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def _background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- the Engine protocol --------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        sp, ids = request.sampling, request.input_ids
+        budget = sp.max_new_tokens if self.max_model_len is None else min(sp.max_new_tokens,
+                                                                           self.max_model_len - len(ids))
+        rid = f"{request.request_id}-{uuid.uuid4().hex[:12]}"
+        body = {"rid": rid, "input_ids": ids, "return_logprob": True, "logprob_start_len": -1,
+                "sampling_params": {"max_new_tokens": max(budget, 1), "temperature": sp.temperature,
+                                    "top_p": sp.top_p, "top_k": sp.top_k, "stop_token_ids": list(sp.stop_token_ids),
+                                    "ignore_eos": True, "no_stop_trim": True, "skip_special_tokens": False}}
+        self._track(request.request_id, rid)
+        try:
+            reply = await self.request("POST", "/generate", body)
+        finally:
+            self._track(request.request_id, None)
+        return self._output(request.request_id, reply)
+
+    def abort(self, request_id: str, park: bool = True) -> bool:
+        rid = self._rids.get(request_id)
+        if rid is not None:
+            self._background(self.request("POST", "/abort_request", {"rid": rid}))
+        return rid is not None
+
+    def abort_all(self) -> int:
+        ours = set(self._rids.values())
+        if ours:
+            self._background(self._abort_until_gone(ours))
+        return len(ours)
+
+    def update_weights(self, state_dict, version: int) -> None:
+        if state_dict is not None:
+            raise NotImplementedError(
+                "an SGLang server takes weights from the learner itself (engine.weight_sync = broadcast, "
+                "tensor or disk), not from the object store")
+        self.version = version
+
+    def stats(self, drain: bool = True) -> EngineStats:
+        occupancy = self.occupancy
+        if drain:
+            self.occupancy = []
+        busy = self.busy_s + (time.perf_counter() - self._busy_since if self._rids else 0.0)
+        return EngineStats(self.num_generated_tokens, self.num_prefill_tokens, busy, len(self._rids), 0,
+                           self.version, occupancy, self.num_reused_tokens)
+
+    def _track(self, request_id: str, rid: str | None) -> None:
+        now = time.perf_counter()
+        if rid is not None:
+            if not self._rids:
+                self._busy_since = now
+            self._rids[request_id] = rid
+        else:
+            self._rids.pop(request_id, None)
+            if not self._rids:
+                self.busy_s += now - self._busy_since
+        self.occupancy.append((time.time(), len(self._rids)))
+
+    def _output(self, request_id: str, reply: dict) -> GenerateOutput:
+        meta, ids = reply["meta_info"], list(reply["output_ids"])
+        logprobs = [lp for lp, _, *_ in meta.get("output_token_logprobs") or []]
+        if len(logprobs) != len(ids):
+            raise ServerError(f"{self.url}/generate: {len(ids)} output ids but {len(logprobs)} logprobs")
+        reason = (meta.get("finish_reason") or {}).get("type")
+        if reason not in FINISH:
+            raise ServerError(f"{self.url}/generate: unknown finish_reason {meta.get('finish_reason')!r}")
+        cached = int(meta.get("cached_tokens") or 0)
+        self.num_generated_tokens += len(ids)
+        self.num_prefill_tokens += int(meta.get("prompt_tokens", 0)) - cached
+        self.num_reused_tokens += cached
+        return GenerateOutput(request_id, ids, logprobs, self._versions(meta, len(ids)), FINISH[reason], cached)
+
+    def _versions(self, meta: dict, n: int) -> list[int]:
+        spans = meta.get("weight_versions")
+        if not spans:  # a server that reports only the version it serves now
+            return [int(meta.get("weight_version", self.version))] * n
+        versions = [self.version] * n
+        for span in spans:
+            versions[span["start"]:span["end"]] = [int(span["version"])] * (min(span["end"], n) - span["start"])
+        return versions
+
+    async def _abort_until_gone(self, rids: set[str]) -> None:
+        await self.request("POST", "/abort_request", {"rid": "", "abort_all": True})
+        for attempt in range(self.abort_retries):
+            await asyncio.sleep(self.abort_interval_s * min(attempt + 1, 10))
+            left = rids & set(self._rids.values())
+            if not left:
+                return
+            await asyncio.gather(*[self.request("POST", "/abort_request", {"rid": rid}) for rid in left])
+        log.warning("%s: %d requests still in flight after %d aborts", self.url, len(left), self.abort_retries)
+
+    # -- control: the HTTP half of weight sync, pause, memory -----------------------------------------
+    async def health(self) -> None:
+        await self.request("GET", "/health")
+
+    async def model_info(self) -> dict:
+        return await self.request("GET", "/model_info")
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await self.request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self.request("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> bool:
+        """False when the server refuses (requests are pending)."""
+        return await self.request("POST", "/flush_cache", {}, ok_400=True) is not None
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self.request("POST", "/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self.request("POST", "/resume_memory_occupation", {"tags": tags})
+
+    async def update_weight_version(self, version: int, abort_all_requests: bool = False) -> None:
+        await self.request("POST", "/update_weight_version",
+                           {"new_version": str(version), "abort_all_requests": abort_all_requests})
+        self.version = version
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        await self.request("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, flush_cache: bool,
+                                              weight_version: int | None = None) -> None:
+        await self.request("POST", "/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "flush_cache": flush_cache, "weight_version": None if weight_version is None else str(weight_version)})
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_tensor(self, payloads: list[str], flush_cache: bool,
+                                         weight_version: int | None = None) -> None:
+        await self.request("POST", "/update_weights_from_tensor", {
+            "serialized_named_tensors": payloads, "flush_cache": flush_cache,
+            "weight_version": None if weight_version is None else str(weight_version)})
+
+    async def update_weights_from_disk(self, model_path: str, flush_cache: bool,
+                                       weight_version: int | None = None) -> None:
+        await self.request("POST", "/update_weights_from_disk", {
+            "model_path": model_path, "flush_cache": flush_cache,
+            "weight_version": None if weight_version is None else str(weight_version)})
