@@ -41,6 +41,16 @@ class EngineWorkerActor:
     async def update_weights(self, state_dict, version: int) -> None:
         self.worker.update_weights(state_dict, version)
 
+    async def server_url(self) -> str:
+        """engine.backend=sglang: where this engine's server answers (the learner sends weights there)."""
+        return self.worker.engine.url
+
+    async def release_memory(self, tags: list[str]) -> None:
+        await self.worker.engine.release_memory_occupation(tags)
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        await self.worker.engine.resume_memory_occupation(tags)
+
     async def set_kv_reuse(self, enabled: bool) -> None:
         """Benchmark switch of the CPU engine (jobs/bench/rollout.py's `april_recompute` mode)."""
         self.worker.engine.set_kv_reuse(enabled)

@@ -128,7 +128,28 @@ class EngineConfig:
     reuse_stale_kv: bool = False
     """cpu: a resumed sample may reuse a parked cache that weights up to staleness.max_versions old
     computed (PipelineRL-style; its new tokens' behaviour logprobs are still exactly what sampled them,
-    so truncated IS corrects for the stale context). false: only caches of the current weights."""
+    so truncated IS corrects for the stale context). false: only caches of the current weights.
+    sglang: a weight update keeps the server's prefix cache (no flush_cache); false flushes it."""
+    server: str = one_of("sglang", "sglang", "cpu")
+    """sglang backend: which server each engine actor starts. sglang: `sglang.launch_server` on the
+    actor's GPUs (the `sglang` extra). cpu: our engine's own server (april_ray/engine/http_server.py), same
+    API and client, on CPU."""
+    host: str = "127.0.0.1"
+    """sglang backend: the address servers bind to; 0.0.0.0 when learners on other nodes send them weights."""
+    tp_size: int = positive(1)
+    """sglang backend: tensor-parallel size of each SGLang server (= placement.engine_gpus)."""
+    mem_fraction: float = probability(0.8)
+    """sglang backend: SGLang's --mem-fraction-static (weights plus KV cache, share of GPU memory)."""
+    startup_timeout_s: float = positive(600.0)
+    """sglang backend: how long a server may take to answer /health before the job fails with its log."""
+    weight_sync: str = one_of("object_store", "object_store", "broadcast", "tensor", "disk")
+    """How new weights reach the engines. object_store: rank 0 puts them once, each engine actor loads them
+    (into its server by shared memory). broadcast: rank 0 broadcasts into every server (NCCL; gloo with
+    engine.server=cpu), disaggregated. tensor: each rank hands them by handle to the server on its own GPU
+    (CUDA IPC), colocated; the servers release memory while the learner trains. disk: a safetensors
+    directory under train.output_dir that every server loads."""
+    weight_bucket_mb: float = positive(512.0)
+    """broadcast and tensor: weights go in buckets of about this size."""
 
 
 @dataclass
@@ -280,8 +301,19 @@ def _check_across(cfg: Config) -> None:
         raise ConfigError("task.train_path: the math task needs a dataset file")
     if not cfg.model.path and cfg.engine.max_model_len > cfg.model.max_position_embeddings:
         raise ConfigError("engine.max_model_len: exceeds model.max_position_embeddings")
-    if cfg.engine.backend == "sglang":
-        raise ConfigError("engine.backend: sglang is not available in this build; use engine.backend=cpu")
+    e, p = cfg.engine, cfg.placement
+    if e.backend == "cpu" and e.weight_sync != "object_store":
+        raise ConfigError(f"engine.weight_sync: {e.weight_sync} sends weights to inference servers; the cpu backend "
+                          "has none (use object_store, or engine.backend=sglang)")
+    if e.backend == "sglang" and e.server == "sglang" and p.engine_gpus != e.tp_size:
+        raise ConfigError(f"placement.engine_gpus: an SGLang server runs on engine.tp_size={e.tp_size} GPUs, "
+                          f"got {p.engine_gpus}")
+    if e.weight_sync == "tensor" and not (p.colocate and cfg.learner.num_ranks == e.num_engines):
+        raise ConfigError("engine.weight_sync: tensor hands weights to the server on the rank's own device; "
+                          "needs placement.colocate=true and learner.num_ranks == engine.num_engines")
+    if e.weight_sync == "broadcast" and p.colocate and p.engine_gpus:
+        raise ConfigError("engine.weight_sync: broadcast (NCCL) cannot join a learner and a server on one GPU; "
+                          "colocated layouts use tensor")
     if cfg.learner.backend == "torch" and cfg.learner.num_ranks != 1:
         raise ConfigError("learner.num_ranks: the torch backend trains on one rank; use learner.backend=deepspeed")
     if cfg.placement.colocate and cfg.learner.num_ranks > cfg.engine.num_engines:

@@ -1,6 +1,10 @@
 """The learner ranks of a job: one `LearnerActor` per data-parallel rank, in the placement group's learner
-bundles (or sharing the engines' bundles when colocated)."""
+bundles (or sharing the engines' bundles when colocated), and how their weights reach the engines
+(`engine.weight_sync`, one class each, chosen once).
+"""
 from __future__ import annotations
+
+from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -26,17 +30,19 @@ class LearnerGroup:
                                 mask_older_than, str(model_path), r, world, master)
                  for r, a in enumerate(self.actors)])
         self.model_path = str(model_path)
+        self.sync = WEIGHT_SYNC[cfg.engine.weight_sync](self.actors, engines, cfg, self.model_path)
 
     def train(self, groups: list[list], version: int) -> dict[str, float]:
         """Whole groups go to one rank (advantages are per group); ranks fetch their own samples."""
+        self.sync.before_train()
         world = len(self.actors)
         shards = [[ref for g in groups[r::world] for ref in g] for r in range(world)]
         results = ray.get([a.train.remote(shard, version) for a, shard in zip(self.actors, shards)])
         return {k: sum(r[k] for r in results) / world for k in results[0]}
 
     def publish(self, engines, version: int) -> None:
-        weights_ref = ray.get([a.publish.remote() for a in self.actors])[0]
-        engines.publish(weights_ref, version)
+        """Every engine serves the ranks' current weights as `version` when this returns."""
+        self.sync.publish(version)
 
     def save(self, path: str) -> None:
         ray.get([a.save.remote(path, self.model_path) for a in self.actors])
@@ -47,3 +53,79 @@ class LearnerGroup:
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
+
+
+class ObjectStoreSync:
+    """Rank 0 puts the full weights in the object store once; every engine adopts them from that one
+    object (an HTTP engine hands them on to its server from its own process). Every rank gathers: ZeRO-3
+    partitions need all of them."""
+
+    def __init__(self, learners: list, engines, cfg, model_path: str):
+        self.learners, self.engines = learners, engines
+        self.flush_cache = not cfg.engine.reuse_stale_kv
+        """Servers drop their prefix caches with an update unless stale caches may be reused."""
+        self.bucket_mb = cfg.engine.weight_bucket_mb
+
+    def before_train(self) -> None:
+        pass
+
+    def publish(self, version: int) -> None:
+        weights_ref = ray.get([a.publish.remote() for a in self.learners])[0]
+        self.engines.publish(weights_ref, version)
+
+
+class BroadcastSync(ObjectStoreSync):
+    """Disaggregated servers: rank 0 broadcasts into every server (NCCL on GPUs, gloo with our CPU
+    server), metadata over HTTP; the engines then stamp new tokens with the version."""
+
+    def __init__(self, learners: list, engines, cfg, model_path: str):
+        super().__init__(learners, engines, cfg, model_path)
+        self.backend = "gloo" if cfg.engine.server == "cpu" else "nccl"
+
+    def publish(self, version: int) -> None:
+        urls = self.engines.urls()
+        ray.get([a.broadcast_weights.remote(urls, version, self.flush_cache, self.bucket_mb, self.backend)
+                 for a in self.learners])
+        self.engines.publish(None, version)
+
+
+class TensorSync(ObjectStoreSync):
+    """Colocated servers: they give their GPU memory back while the ranks train; then each rank hands its
+    weights by handle (CUDA IPC) to the server on its own GPU, and the KV cache comes back for rollout."""
+
+    def __init__(self, learners: list, engines, cfg, model_path: str):
+        super().__init__(learners, engines, cfg, model_path)
+        self.released = False
+
+    def before_train(self) -> None:
+        self.engines.release_memory(["weights", "kv_cache", "cuda_graph"])
+        self.released = True
+
+    def publish(self, version: int) -> None:
+        if self.released:
+            self.engines.resume_memory(["weights"])
+        urls, world = self.engines.urls(), len(self.learners)
+        ray.get([a.hand_over_weights.remote(urls[r::world], version, self.flush_cache, self.bucket_mb)
+                 for r, a in enumerate(self.learners)])
+        if self.released:
+            self.engines.resume_memory(["kv_cache", "cuda_graph"])
+            self.released = False
+        self.engines.publish(None, version)
+
+
+class DiskSync(ObjectStoreSync):
+    """Rank 0 writes a safetensors directory (train.output_dir/weights, on storage every node sees) and
+    every server loads it."""
+
+    def __init__(self, learners: list, engines, cfg, model_path: str):
+        super().__init__(learners, engines, cfg, model_path)
+        self.path, self.model_path = str(Path(cfg.train.output_dir).resolve() / "weights"), model_path
+
+    def publish(self, version: int) -> None:
+        urls = self.engines.urls()
+        ray.get([a.weights_to_disk.remote(self.path, self.model_path, urls, version, self.flush_cache)
+                 for a in self.learners])
+        self.engines.publish(None, version)
+
+
+WEIGHT_SYNC = {"object_store": ObjectStoreSync, "broadcast": BroadcastSync, "tensor": TensorSync, "disk": DiskSync}

@@ -1,21 +1,52 @@
-"""Engine backends behind one protocol (`base.Engine`); the backend is chosen once, here."""
+"""Engine backends behind one protocol (`base.Engine`); the backend is chosen once, here.
+
+- cpu: our engine inside the engine actor (`AsyncEngine` over `LLMEngine`).
+- sglang: an inference server started by the engine actor and spoken to over SGLang's HTTP API
+  (`sglang_client.SGLangEngine`): `sglang.launch_server` on the actor's GPUs, or our engine's own server
+  (`http_server.py`) with `engine.server=cpu`.
+"""
 from __future__ import annotations
 
-from april_ray.config import EngineConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the HTTP server and the GPU tests import this package where omegaconf is absent
+    from april_ray.config import EngineConfig
 
 
 def build_engine(cfg: EngineConfig, model_path: str, version: int = 0, stale_kv_versions: int = 0):
     """`stale_kv_versions`: how many versions old a parked KV cache may be and still be reused."""
-    if cfg.backend == "cpu":
-        import torch
+    return BACKENDS[cfg.backend](cfg, model_path, version, stale_kv_versions)
 
-        from april_ray.engine.async_engine import AsyncEngine
-        from april_ray.engine.cpu_engine import LLMEngine
-        from april_ray.model import load_policy
 
-        torch.set_num_threads(cfg.num_threads)
-        model, _ = load_policy(model_path)
-        return AsyncEngine(LLMEngine(model, cfg.max_num_seqs, cfg.max_model_len, cfg.max_prefill_tokens,
-                                     cfg.seed, version, cfg.park_slots, stale_kv_versions))
-    raise NotImplementedError(f"engine.backend={cfg.backend}: this engine is not implemented in this build yet "
-                              "(the SGLang backend is planned; use engine.backend=cpu)")
+def _cpu_engine(cfg: EngineConfig, model_path: str, version: int, stale_kv_versions: int):
+    import torch
+
+    from april_ray.engine.async_engine import AsyncEngine
+    from april_ray.engine.cpu_engine import LLMEngine
+    from april_ray.model import load_policy
+
+    torch.set_num_threads(cfg.num_threads)
+    model, _ = load_policy(model_path)
+    return AsyncEngine(LLMEngine(model, cfg.max_num_seqs, cfg.max_model_len, cfg.max_prefill_tokens,
+                                 cfg.seed, version, cfg.park_slots, stale_kv_versions))
+
+
+def _http_engine(cfg: EngineConfig, model_path: str, version: int, stale_kv_versions: int):
+    """Start the configured server in this process's resources (Ray's CUDA_VISIBLE_DEVICES is inherited)
+    and return its client. Call it from a thread that lives as long as the server should: the server
+    is told to die with that thread (an actor's constructor runs on its main thread)."""
+    from april_ray.engine.sglang_client import SGLangEngine
+    from april_ray.engine.sglang_server import LAUNCHERS, ServerOptions
+
+    opts = ServerOptions(model_path, host=cfg.host, tp_size=cfg.tp_size, mem_fraction=cfg.mem_fraction,
+                         memory_saver=cfg.weight_sync == "tensor", max_num_seqs=cfg.max_num_seqs,
+                         max_model_len=cfg.max_model_len, max_prefill_tokens=cfg.max_prefill_tokens,
+                         num_threads=cfg.num_threads, seed=cfg.seed, park_slots=cfg.park_slots,
+                         kv_reuse_max_staleness=stale_kv_versions, startup_timeout_s=cfg.startup_timeout_s,
+                         weight_version=str(version))
+    server = LAUNCHERS[cfg.server]().start(opts)
+    return SGLangEngine(server.url, version, cfg.max_model_len, server, flush_on_update=stale_kv_versions == 0,
+                        bucket_mb=cfg.weight_bucket_mb)
+
+
+BACKENDS = {"cpu": _cpu_engine, "sglang": _http_engine}

@@ -15,7 +15,8 @@ in-actor engine.
 - `update_weights(None, version)` adopts the version of weights that the learner delivered itself
   (`weight_sync.py`: broadcast, tensor handoff or disk, each stamping `weight_version`); the async
   methods below are those deliveries' HTTP half, and pause / continue, memory release / resume,
-  `flush_cache`.
+  `flush_cache`. `update_weights(state_dict, version)` (weights through Ray's object store) hands the
+  tensors to the server by handle from this process, on the same node: shared memory.
 - `stats` is counted here from the replies: generated = completion tokens, prefill = prompt tokens not
   served from the server's prefix cache, reused = `cached_tokens`; occupancy is requests in flight.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 
@@ -45,16 +47,21 @@ class BadRequestError(ServerError, ValueError):
 
 class SGLangEngine:
     def __init__(self, url: str, version: int = 0, max_model_len: int | None = None, server=None,
-                 timeout_s: float = 3600.0, abort_retries: int = 50, abort_interval_s: float = 0.05):
+                 flush_on_update: bool = True, bucket_mb: float = 512.0, timeout_s: float = 3600.0,
+                 abort_retries: int = 50, abort_interval_s: float = 0.05):
         """`server`: the `sglang_server.ServerProcess` behind `url`, if we started it (errors then carry
-        its log tail). `max_model_len`: the server's context length, to clamp budgets as our engine does."""
+        its log tail). `max_model_len`: the server's context length, to clamp budgets as our engine does.
+        `flush_on_update`: drop the server's prefix cache with each weight update (false keeps caches of
+        older weights, within the server's own staleness bound)."""
         self.url = url.rstrip("/")
         self.version = version
         self.max_model_len = max_model_len
         self.server = server
+        self.flush_on_update, self.bucket_mb = flush_on_update, bucket_mb
         self.timeout_s = timeout_s
         self.abort_retries, self.abort_interval_s = abort_retries, abort_interval_s
-        self._session: aiohttp.ClientSession | None = None
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        self._admin: asyncio.AbstractEventLoop | None = None
         self._rids: dict[str, str] = {}
         """Our request id -> the server's rid, for requests in flight."""
         self._tasks: set[asyncio.Task] = set()
@@ -64,12 +71,14 @@ class SGLangEngine:
 
     # -- HTTP -----------------------------------------------------------------------------------------
     def _http(self) -> aiohttp.ClientSession:
-        """One session per event loop (a learner calls from `asyncio.run` more than once)."""
+        """One session per event loop: the actor's, the admin thread's, and each `asyncio.run` of a learner."""
         loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._session._loop is not loop:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                                  timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        return self._session
+        session = self._sessions.get(loop)
+        if session is None or session.closed:
+            self._sessions = {lp: s for lp, s in self._sessions.items() if not lp.is_closed()}
+            session = self._sessions[loop] = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return session
 
     async def request(self, method: str, path: str, body: dict | None = None, ok_400: bool = False):
         """JSON in, JSON (or text) out; a failure raises with the URL, the status and the server's answer."""
@@ -89,8 +98,17 @@ class SGLangEngine:
             raise ServerError(f"{method} {url} failed: {type(e).__name__}: {e}") from e
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        session = self._sessions.pop(asyncio.get_running_loop(), None)
+        if session is not None:
+            await session.close()
+
+    def _blocking(self, coro_fn):
+        """Run `coro_fn()` to completion for synchronous code, on a thread with an event loop of its own
+        (the caller may be running on the actor's loop, which must not be re-entered)."""
+        if self._admin is None:
+            self._admin = asyncio.new_event_loop()
+            threading.Thread(target=self._admin.run_forever, daemon=True, name="sglang-client-admin").start()
+        return asyncio.run_coroutine_threadsafe(coro_fn(), self._admin).result()
 
     def _background(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -127,10 +145,12 @@ class SGLangEngine:
         return len(ours)
 
     def update_weights(self, state_dict, version: int) -> None:
+        """Blocks until the server has loaded them, as our engine's in-place update does: between steps."""
         if state_dict is not None:
-            raise NotImplementedError(
-                "an SGLang server takes weights from the learner itself (engine.weight_sync = broadcast, "
-                "tensor or disk), not from the object store")
+            from april_ray.engine.weight_sync import send_tensors
+
+            named = list(state_dict.items())
+            self._blocking(lambda: send_tensors(self, named, version, self.flush_on_update, self.bucket_mb))
         self.version = version
 
     def stats(self, drain: bool = True) -> EngineStats:

@@ -45,8 +45,15 @@ class ServerOptions:
     device: str = "cpu"
     """Our server only: cpu, or cuda to serve the model from the GPU Ray gave this process."""
     startup_timeout_s: float = 600.0
+    weight_version: str = "0"
+    """The version the server reports (and stamps tokens with) until the first update."""
     log_dir: str = field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "april_ray_servers"))
     extra_args: list[str] = field(default_factory=list)
+
+
+def reachable_host(host: str) -> str:
+    """The address clients use for a server bound to `host` (a wildcard bind is reached at this node's IP)."""
+    return socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "::", "") else host
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -142,7 +149,7 @@ class Launcher:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, preexec_fn=_die_with_parent)
-        server = ServerProcess(proc, f"http://{opts.host}:{port}", log_path, cmd)
+        server = ServerProcess(proc, f"http://{reachable_host(opts.host)}:{port}", log_path, cmd)
         server.wait_healthy(opts.startup_timeout_s)
         return server
 
@@ -161,7 +168,7 @@ class SGLangLauncher(Launcher):
                "--skip-tokenizer-init", "--tp-size", str(opts.tp_size),
                "--mem-fraction-static", str(opts.mem_fraction), "--context-length", str(opts.max_model_len),
                "--max-running-requests", str(opts.max_num_seqs), "--random-seed", str(opts.seed),
-               "--host", opts.host, "--port", str(port)]
+               "--weight-version", opts.weight_version, "--host", opts.host, "--port", str(port)]
         return cmd + (["--enable-memory-saver"] if opts.memory_saver else [])
 
 
@@ -174,7 +181,7 @@ class CPUServerLauncher(Launcher):
                 "--max-num-seqs", str(opts.max_num_seqs), "--max-model-len", str(opts.max_model_len),
                 "--max-prefill-tokens", str(opts.max_prefill_tokens), "--num-threads", str(opts.num_threads),
                 "--seed", str(opts.seed), "--park-slots", str(opts.park_slots),
-                "--kv-reuse-max-staleness", str(opts.kv_reuse_max_staleness)]
+                "--kv-reuse-max-staleness", str(opts.kv_reuse_max_staleness), "--weight-version", opts.weight_version]
 
 
 LAUNCHERS: dict[str, type[Launcher]] = {"sglang": SGLangLauncher, "cpu": CPUServerLauncher}

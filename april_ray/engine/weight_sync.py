@@ -232,6 +232,7 @@ class BroadcastSender:
             await asyncio.to_thread(broadcast_bucket, self.pg, bucket, device)
             await posts
         await asyncio.gather(*[c.continue_generation() for c in self.clients])
+        await asyncio.gather(*[c.close() for c in self.clients])  # this event loop's sessions
 
     async def close(self) -> None:
         if self.pg is not None:

@@ -1,11 +1,13 @@
 """The learner's optimiser backends, one class each, chosen once when the learner is built.
 
-Both wrap the policy and expose the same five operations: forward through `model`, `backward` of one
+Both wrap the policy and expose the same operations: forward through `model`, `backward` of one
 micro-batch's loss, `step` at the end of a batch (returns the gradient norm), `full_state_dict` (full
-weights on CPU for the engines and for saving), and `save` / `load` of the optimiser state.
+weights on CPU for the engines and for saving), `full_weights` (every rank sees the full weights in
+place, for a direct hand-over to inference servers), and `save` / `load` of the optimiser state.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -35,6 +37,10 @@ class TorchOptim:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    @contextlib.contextmanager
+    def full_weights(self):
+        yield list(self.module.state_dict().items())
 
     def save(self, path: Path, rank: int) -> None:
         if rank == 0:
@@ -79,6 +85,18 @@ class DeepSpeedOptim:
         if self.cfg.zero_stage == 3:
             return {k: v.cpu() for k, v in self.model._zero3_consolidated_16bit_state_dict().items()}
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    @contextlib.contextmanager
+    def full_weights(self):
+        """Every rank: the full weights, where they live, for the duration of the block (a ZeRO-3 rank
+        gathers all partitions; every rank must enter)."""
+        if self.cfg.zero_stage != 3:
+            yield list(self.module.state_dict().items())
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(self.module.parameters())):
+            yield list(self.module.state_dict().items())
 
     def save(self, path: Path, rank: int) -> None:
         self.model.save_checkpoint(str(path / "optimizer"), tag="state")
