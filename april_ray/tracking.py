@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 
@@ -57,15 +58,53 @@ def progress(total: int, initial: int = 0, desc: str = "april-ray"):
     return LineProgress(total, initial, desc)
 
 
+def truncate_step_logs(out_dir: Path, last_step: int, log=print) -> None:
+    """Make the per-step record files (`*.jsonl` in `out_dir`) end at `last_step`, the checkpoint a run
+    resumes from: rows of later steps (written by a killed run, and about to be redone) go, as does a
+    torn last line (a row the kill cut short); every other row stays. Each file is rewritten atomically."""
+    for path in sorted(out_dir.glob("*.jsonl")):
+        text = path.read_text(encoding="utf-8", errors="surrogateescape")
+        lines = text.splitlines(keepends=True)
+        torn = bool(lines) and not lines[-1].endswith("\n")
+        kept = [line for line in (lines[:-1] if torn else lines) if not _past(line, last_step)]
+        if len(kept) == len(lines):
+            continue
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8", errors="surrogateescape")
+        tmp.replace(path)
+        log(f"{path}: dropped {len(lines) - len(kept)} rows past step {last_step}"
+            f"{' (the last one torn by the kill)' if torn else ''}; those steps are redone from the checkpoint")
+
+
+def _past(line: str, last_step: int) -> bool:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > last_step
+
+
+def wandb_run_id(out_dir: Path, resume: bool) -> str:
+    """The run's wandb id, kept in `out_dir/wandb_run_id`: a resumed job continues the same wandb run."""
+    path = out_dir / "wandb_run_id"
+    if resume and path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    run_id = uuid.uuid4().hex[:12]
+    path.write_text(run_id)
+    return run_id
+
+
 class Tracker:
     def __init__(self, cfg: Config, out_dir: Path, total_steps: int, initial_step: int = 0, resume: bool = False):
+        """With `resume`, the wandb run of `out_dir` continues (`resume="allow"` with its kept id); the
+        caller has already cut the step logs back to the checkpoint (`truncate_step_logs`)."""
         self.run = None
         if cfg.logging.wandb_mode != "disabled":
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
             self.run = wandb.init(project=cfg.logging.project, mode=cfg.logging.wandb_mode, dir=str(out_dir),
-                                  config=asdict(cfg), resume="allow" if resume else None)
+                                  config=asdict(cfg), id=wandb_run_id(out_dir, resume), resume="allow")
         self.file = open(out_dir / "metrics.jsonl", "a")
         self.bar = progress(total_steps, initial_step)
         self.shown: dict[str, float] = {}

@@ -51,12 +51,27 @@ class PromptSource:
         return Group(group_id, ex.index, samples, created_step=step)
 
     def state_dict(self) -> dict:
+        """Plain JSON values: the cursor, and what it is only valid for (the dataset's size and the seed)."""
         return {"epoch": self.epoch, "position": self.position, "num_groups_taken": self.num_groups_taken,
                 "seed": self.seed, "num_examples": len(self.examples)}
 
-    def load_state_dict(self, state: dict) -> None:
-        if state["num_examples"] != len(self.examples) or state["seed"] != self.seed:
-            raise ValueError("prompt source: the checkpoint was taken on a different dataset or seed")
-        self.epoch, self.position = state["epoch"], state["position"]
-        self.num_groups_taken = state["num_groups_taken"]
+    def load_state_dict(self, state: dict, where: str = "source") -> None:
+        """Validates every field first; a ValueError names it (e.g. `source.position`)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"{where}: expected an object, got {type(state).__name__}")
+        values = {}
+        for key in ("epoch", "position", "num_groups_taken", "seed", "num_examples"):
+            if key not in state:
+                raise ValueError(f"{where}.{key}: missing")
+            if isinstance(state[key], bool) or not isinstance(state[key], int) or (key != "seed" and state[key] < 0):
+                raise ValueError(f"{where}.{key}: expected a non-negative integer, got {state[key]!r:.60}")
+            values[key] = state[key]
+        if values["num_examples"] != len(self.examples) or values["seed"] != self.seed:
+            raise ValueError(f"{where}: the checkpoint was taken on a dataset of {values['num_examples']} rows with "
+                             f"seed {values['seed']}; this job has {len(self.examples)} rows and seed {self.seed} "
+                             f"(task.train_path, task.seed)")
+        if values["position"] > len(self.examples):
+            raise ValueError(f"{where}.position: {values['position']} is past the dataset's {len(self.examples)} rows")
+        self.epoch, self.position = values["epoch"], values["position"]
+        self.num_groups_taken = values["num_groups_taken"]
         self._order = self._shuffle(self.epoch)

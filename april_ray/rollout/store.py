@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 
-from april_ray.types import Group, SampleState
+from april_ray.types import FinishReason, Group, Sample, SampleState
 
 
 class PartialRolloutStore:
@@ -65,13 +65,110 @@ class PartialRolloutStore:
         return len(self.partial) + len(self.complete)
 
     def state_dict(self) -> dict:
-        return {"partial": list(self.partial.values()), "complete": list(self.complete),
+        """Plain JSON values (no pickle): every sample with its ids, logprobs, versions, state and reward."""
+        return {"partial": [group_to_json(g) for g in self.partial.values()],
+                "complete": [group_to_json(g) for g in self.complete],
                 "num_restarted_samples": self.num_restarted_samples}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.partial = OrderedDict((g.group_id, g) for g in state["partial"])
-        self.complete = list(state["complete"])
-        self.num_restarted_samples = state["num_restarted_samples"]
+    def load_state_dict(self, state: dict, where: str = "store") -> None:
+        """Validates every field first (a ValueError names it, e.g. `store.partial[3].samples[0].logprobs`)
+        and changes nothing when one is wrong."""
+        _field(state, "partial", list, where)
+        _field(state, "complete", list, where)
+        partial = [group_from_json(g, f"{where}.partial[{i}]") for i, g in enumerate(state["partial"])]
+        complete = [group_from_json(g, f"{where}.complete[{i}]") for i, g in enumerate(state["complete"])]
+        restarted = _field(state, "num_restarted_samples", int, where)
+        ids = [g.group_id for g in partial + complete]
+        if len(ids) != len(set(ids)):
+            raise ValueError(f"{where}: a group is stored twice: {sorted({i for i in ids if ids.count(i) > 1})}")
+        for i, g in enumerate(partial):
+            if g.is_complete:
+                raise ValueError(f"{where}.partial[{i}]: group {g.group_id} is complete")
+        for i, g in enumerate(complete):
+            if not g.is_complete:
+                raise ValueError(f"{where}.complete[{i}]: group {g.group_id} has unfinished samples")
+        self.partial = OrderedDict((g.group_id, g) for g in partial)
+        self.complete = complete
+        self.num_restarted_samples = restarted
+
+
+# -- the store's state as JSON values ------------------------------------------------------------------
+_SAMPLE_FIELDS = {"sample_id": str, "group_id": str, "prompt": str, "answer": str, "prompt_ids": list,
+                  "max_response_len": int, "response_ids": list, "logprobs": list, "versions": list,
+                  "state": str, "finish_reason": (str, type(None)), "reward": (float, int, type(None)),
+                  "num_resumes": int, "num_discarded_tokens": int}
+
+
+def _kind_name(kind) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+
+
+def _field(obj, key: str, kind, where: str):
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected an object, got {type(obj).__name__}")
+    if key not in obj:
+        raise ValueError(f"{where}.{key}: missing")
+    value = obj[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ValueError(f"{where}.{key}: expected {_kind_name(kind)}, got {value!r:.60}")
+    return value
+
+
+def _numbers(values: list, kind, where: str) -> list:
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, kind):
+            raise ValueError(f"{where}[{i}]: expected {_kind_name(kind)}, got {v!r:.60}")
+    return [float(v) for v in values] if kind != int else list(values)
+
+
+def sample_to_json(s: Sample) -> dict:
+    return {"sample_id": s.sample_id, "group_id": s.group_id, "prompt": s.prompt, "answer": s.answer,
+            "prompt_ids": list(s.prompt_ids), "max_response_len": s.max_response_len,
+            "response_ids": list(s.response_ids), "logprobs": list(s.logprobs), "versions": list(s.versions),
+            "state": s.state.value, "finish_reason": s.finish_reason.value if s.finish_reason else None,
+            "reward": s.reward, "num_resumes": s.num_resumes, "num_discarded_tokens": s.num_discarded_tokens}
+
+
+def sample_from_json(d: dict, where: str) -> Sample:
+    v = {k: _field(d, k, kind, where) for k, kind in _SAMPLE_FIELDS.items()}
+    for key in ("prompt_ids", "response_ids", "versions"):
+        v[key] = _numbers(v[key], int, f"{where}.{key}")
+    v["logprobs"] = _numbers(v["logprobs"], (int, float), f"{where}.logprobs")
+    n = len(v["response_ids"])
+    for key in ("logprobs", "versions"):
+        if len(v[key]) != n:
+            raise ValueError(f"{where}.{key}: {len(v[key])} values for {n} response tokens")
+    if n > v["max_response_len"]:
+        raise ValueError(f"{where}.response_ids: {n} tokens over max_response_len {v['max_response_len']}")
+    try:
+        v["state"] = SampleState(v["state"])
+        v["finish_reason"] = FinishReason(v["finish_reason"]) if v["finish_reason"] is not None else None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if v["state"] == SampleState.RUNNING:
+        raise ValueError(f"{where}.state: a stored sample cannot be running")
+    if v["state"] == SampleState.FINISHED and v["reward"] is None:
+        raise ValueError(f"{where}.reward: a finished sample has a reward")
+    v["reward"] = float(v["reward"]) if v["reward"] is not None else None
+    return Sample(**v)
+
+
+def group_to_json(g: Group) -> dict:
+    """`Group.engine` is left out: the parked KV caches it points at do not outlive the engines."""
+    return {"group_id": g.group_id, "prompt_index": g.prompt_index, "created_step": g.created_step,
+            "samples": [sample_to_json(s) for s in g.samples]}
+
+
+def group_from_json(d: dict, where: str) -> Group:
+    gid = _field(d, "group_id", str, where)
+    samples = [sample_from_json(s, f"{where}.samples[{i}]") for i, s in enumerate(_field(d, "samples", list, where))]
+    if not samples:
+        raise ValueError(f"{where}.samples: a group has at least one sample")
+    for i, s in enumerate(samples):
+        if s.group_id != gid:
+            raise ValueError(f"{where}.samples[{i}].group_id: {s.group_id!r} in group {gid!r}")
+    return Group(gid, _field(d, "prompt_index", int, where), samples, _field(d, "created_step", int, where))
 
 
 def resolve_groups(groups: list[Group], resolve) -> list[Group]:
