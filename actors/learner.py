@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import uuid
 from urllib.parse import urlparse
 
 import ray
@@ -50,9 +51,12 @@ class LearnerActor:
         with self.learner.optim.full_weights() as named:
             if self.learner.rank != 0:
                 return
-            if getattr(self, "sender", None) is None:
+            sender = getattr(self, "sender", None)
+            if sender is None or sender.urls != urls:  # first call, or a restarted engine has a new server
+                if sender is not None:
+                    asyncio.run(sender.close())
                 self.sender = BroadcastSender([SGLangEngine(u) for u in urls], _master_address(urls), backend,
-                                              bucket_mb)
+                                              bucket_mb, group_name=f"april-weights-{uuid.uuid4().hex[:8]}")
             asyncio.run(self.sender.send(named, version, flush_cache))
 
     def hand_over_weights(self, urls: list[str], version: int, flush_cache: bool, bucket_mb: float) -> None:

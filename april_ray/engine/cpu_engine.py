@@ -139,6 +139,8 @@ class LLMEngine:
             for p in self.runner.model.parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.released |= tags & {"kv_cache", "weights"}
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the device, for a colocated learner
 
     def resume_memory(self, tags: list[str]) -> None:
         tags = set(tags) & self.released

@@ -204,6 +204,7 @@ class BroadcastSender:
     def __init__(self, clients, master_address: str, backend: str, bucket_mb: float, tp_size: int = 1,
                  group_name: str = DEFAULT_GROUP, timeout_s: float = 300.0):
         self.clients, self.master_address, self.backend = clients, master_address, backend
+        self.urls = [c.url for c in clients]
         self.bucket_bytes = int(bucket_mb * (1 << 20))
         self.tp_size, self.group_name, self.timeout_s = tp_size, group_name, timeout_s
         self.pg = None
@@ -235,8 +236,11 @@ class BroadcastSender:
         await asyncio.gather(*[c.close() for c in self.clients])  # this event loop's sessions
 
     async def close(self) -> None:
+        """Leave the group; servers that are gone (a restarted engine's old one) are skipped."""
         if self.pg is not None:
-            await asyncio.gather(*[c.destroy_weights_update_group(self.group_name) for c in self.clients])
+            await asyncio.gather(*[c.destroy_weights_update_group(self.group_name) for c in self.clients],
+                                 return_exceptions=True)
+            await asyncio.gather(*[c.close() for c in self.clients])
             destroy_group(self.pg)
             self.pg = None
 

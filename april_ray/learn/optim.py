@@ -81,9 +81,11 @@ class DeepSpeedOptim:
         return float(norm) if norm is not None else 0.0
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Under ZeRO-3 the weights are partitioned: every rank must take part in gathering them."""
+        """Under ZeRO-3 the weights are partitioned: every rank must take part in gathering them, and only
+        rank 0 receives them (the others get an empty dict)."""
         if self.cfg.zero_stage == 3:
-            return {k: v.cpu() for k, v in self.model._zero3_consolidated_16bit_state_dict().items()}
+            gathered = self.model._zero3_consolidated_16bit_state_dict()
+            return {k: v.cpu() for k, v in (gathered or {}).items()}
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
 
     @contextlib.contextmanager
