@@ -47,13 +47,59 @@ def embedded_model_dir(cfg: Config) -> Path:
     return Path(cfg.model.cache_dir) / "models" / f"tiny-qwen3-countdown-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
+def check_model_dir(path: str | Path, key: str = "model.path") -> Path:
+    """A Hugging Face model directory that can be loaded, or a ValueError naming the path and what is
+    missing or corrupt: config.json (JSON, with model_type), the weights (safetensors, whole or sharded
+    with every shard of its index present and a readable header) and the tokenizer."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{key}: {path} {'is not a directory' if path.exists() else 'does not exist'}")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{key}: {path} has no config.json (not a Hugging Face model directory)") from None
+    except ValueError as e:
+        raise ValueError(f"{key}: {path / 'config.json'} is not valid JSON ({e})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError(f"{key}: {path / 'config.json'} has no model_type")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as e:
+            raise ValueError(f"{key}: {index} is corrupt ({e!r})") from None
+    elif (path / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        raise ValueError(f"{key}: {path} has no weights (model.safetensors or model.safetensors.index.json)")
+    for shard in shards:
+        _check_safetensors(path / shard, key)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ValueError(f"{key}: {path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    return path
+
+
+def _check_safetensors(file: Path, key: str) -> None:
+    """The header is read and every tensor's byte range checked against the file size (cheap: no data read)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not file.is_file():
+        raise ValueError(f"{key}: weight file {file} is missing")
+    try:
+        with safe_open(str(file), "pt") as f:
+            f.keys()
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{key}: {file} is not a readable safetensors file ({e})") from None
+
+
 def ensure_model(cfg: Config, log=print) -> Path:
-    """The policy directory: `model.path` if set, else the embedded model (built on first use)."""
+    """The policy directory: `model.path` if set (checked: `check_model_dir`), else the embedded model
+    (built on first use)."""
     if cfg.model.path:
-        return Path(cfg.model.path)
+        return check_model_dir(cfg.model.path)
     out = embedded_model_dir(cfg)
     if (out / "model.safetensors").is_file():
-        return out
+        return check_model_dir(out, f"the embedded model (delete {out} to rebuild it)")
     log(f"building the embedded tiny model into {out} (one-time warm-up, cached afterwards)")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -78,6 +78,9 @@ class EngineStats:
     cpu_s: float = 0.0
     """CPU time of the engine's own thread inside those steps: below `busy_s` when other processes
     (or other threads of its process) take its core mid-step."""
+    reward_errors: int = 0
+    """Reward calls since the last drain that raised, timed out or returned no finite number (scored 0;
+    filled in by `EngineWorker.stats`)."""
 
 
 class SampleState(str, enum.Enum):

@@ -20,26 +20,68 @@ class Example:
     """Row number in the dataset file (0-based); the prompt source's cursor counts these."""
     prompt: str
     answer: str
+    where: str = ""
+    """`file:line` (JSONL) or `file: row i` (Parquet), for errors about this row."""
+
+
+def _text(value, where: str, key: str) -> str:
+    if isinstance(value, list):  # chat layout (DAPO-Math-17k): the user turns' content
+        turns = []
+        for i, m in enumerate(value):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+                raise ValueError(f"{where}: field {key!r}[{i}]: expected a message with a string 'content'")
+            if m.get("role", "user") == "user":
+                turns.append(m["content"])
+        value = "\n".join(turns)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where}: field {key!r} must be a non-empty string (or a list of chat messages), "
+                         f"got {type(value).__name__} {value!r:.60}")
+    return value
+
+
+def _answer(value, where: str, key: str) -> str:
+    if isinstance(value, dict) and "ground_truth" in value:  # reward_model layout
+        value = value["ground_truth"]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where}: field {key!r} must be a non-empty string or a number "
+                         f"(or {{'ground_truth': ...}}), got {type(value).__name__} {value!r:.60}")
+    return value
 
 
 def _check_row(row, where: str, prompt_key: str, answer_key: str, index: int) -> Example:
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected an object with fields {prompt_key!r} and {answer_key!r}")
+        raise ValueError(f"{where}: expected an object with fields {prompt_key!r} and {answer_key!r}, "
+                         f"got {type(row).__name__}")
     for key in (prompt_key, answer_key):
-        if key not in row:
-            raise ValueError(f"{where}: missing field {key!r}")
-    prompt = row[prompt_key]
-    if isinstance(prompt, list):  # chat layout (DAPO-Math-17k): take the user turn's content
-        prompt = "\n".join(m["content"] for m in prompt if m.get("role", "user") == "user")
-    answer = row[answer_key]
-    if isinstance(answer, dict) and "ground_truth" in answer:  # reward_model layout
-        answer = answer["ground_truth"]
-    if not isinstance(prompt, str) or not prompt:
-        raise ValueError(f"{where}: field {prompt_key!r} must be a non-empty string")
-    return Example(index, prompt, str(answer))
+        if row.get(key) is None:
+            raise ValueError(f"{where}: missing field {key!r} (fields: {sorted(row)[:10]})")
+    return Example(index, _text(row[prompt_key], where, prompt_key), _answer(row[answer_key], where, answer_key),
+                   where)
+
+
+def _jsonl_rows(path: Path):
+    """(line number, text) of each row. UTF-8 with or without a byte-order mark, LF or CRLF line ends;
+    blank lines after the last row are allowed, a blank line between rows is an error."""
+    blank = None
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                 f"{e.start + 1})") from None
+            if not line.strip():
+                blank = blank or lineno
+                continue
+            if blank is not None:
+                raise ValueError(f"{path}:{blank}: empty row (a blank line between rows)")
+            yield lineno, line
 
 
 def read_examples(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Example]:
+    """Every row of a JSONL or Parquet file; a bad row raises a ValueError naming the file and line (row)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset not found: {path}")
@@ -47,21 +89,45 @@ def read_examples(path: str | Path, prompt_key: str = "prompt", answer_key: str 
         import pyarrow.parquet as pq
 
         rows = pq.read_table(path).to_pylist()
-        return [_check_row(r, f"{path}: row {i}", prompt_key, answer_key, i) for i, r in enumerate(rows)]
-    examples = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+        examples = [_check_row(r, f"{path}: row {i}", prompt_key, answer_key, i) for i, r in enumerate(rows)]
+    else:
+        examples = []
+        for lineno, line in _jsonl_rows(path):
             where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
             examples.append(_check_row(row, where, prompt_key, answer_key, len(examples)))
     if not examples:
         raise ValueError(f"{path}: no examples")
     return examples
+
+
+def fit_context(examples: list[Example], encode, max_prompt_tokens: int, policy: str, key: str,
+                log=print) -> list[Example]:
+    """The examples whose prompt leaves the full response budget in the engine's context: at most
+    `max_prompt_tokens` (engine.max_model_len - sampling.max_response_len) tokens. `policy` (the config's
+    task.overlong_prompts) `fail`: a ValueError naming the first long row and the key to change; `skip`:
+    drop them and warn with their count and first rows (each keeps its `index`, so the cursor of a
+    checkpoint taken on the same file and config stays valid)."""
+    kept, long = [], []
+    for ex in examples:
+        n = len(encode(ex.prompt))
+        (long if n > max_prompt_tokens else kept).append((ex, n))
+    if not long:
+        return examples
+    first = ", ".join(f"{ex.where} ({n} tokens)" for ex, n in long[:3])
+    if policy == "fail":
+        raise ValueError(f"{first}: prompt longer than the {max_prompt_tokens} tokens engine.max_model_len - "
+                         f"sampling.max_response_len leaves ({len(long)} such rows); raise engine.max_model_len "
+                         f"or set {key}=skip")
+    log(f"warning: {key}=skip: skipped {len(long)} of {len(examples)} prompts longer than {max_prompt_tokens} "
+        f"tokens: {first}{' ...' if len(long) > 3 else ''}")
+    if not kept:
+        raise ValueError(f"{first}: every prompt of the dataset is longer than {max_prompt_tokens} tokens; "
+                         f"raise engine.max_model_len")
+    return [ex for ex, _ in kept]
 
 
 def task_dir(cfg: TaskConfig, cache_dir: str) -> Path:
