@@ -294,3 +294,97 @@ def test_a_store_found_empty_is_not_asked_again_in_the_same_step():
         resumed = result.metrics["rollout/groups_resumed"]
         assert len(calls) == 1, calls  # the first top-up empties it (it holds fewer than N' groups)
         assert step == 0 or resumed > 0
+
+
+def test_engines_all_dead_mid_step_wait_for_revival_and_lose_nothing():
+    """Both engines die mid-step: their samples wait, the step resumes when one is restarted and handed
+    back (`revive`), and the crashes and the work thrown away are counted."""
+    c = cfg(max_staleness=100, engine_wait_s=5.0)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=9, tick=0.001)
+
+    async def main():
+        seen = set()
+        check_invariants(await rollout.step(0, 0), rollout, source, store, c, seen)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, pool.kill, 0)
+        loop.call_later(0.015, pool.kill, 1)
+        loop.call_later(0.2, lambda: (pool.restart(1), rollout.revive([1])))
+        r1 = await rollout.step(1, 0)
+        check_invariants(r1, rollout, source, store, c, seen)
+        assert rollout.alive == [False, True]
+        assert r1.metrics["rollout/engine_crashes"] == 2 and r1.metrics["rollout/crash_tokens_lost"] > 0
+        pool.restart(0)
+        rollout.revive([0])
+        r2 = await rollout.step(2, 0)  # the engine taken back gets work again
+        check_invariants(r2, rollout, source, store, c, seen)
+        assert r2.metrics["rollout/engine_crashes"] == 0 and r2.metrics["rollout/crash_tokens_lost"] == 0
+        return r1
+
+    asyncio.run(main())
+    assert rollout.num_engine_crashes == 2 and rollout.alive == [True, True]
+    assert engines[0].request_ids and any(f"@{(rollout.run_id, 2)}" in r for r in engines[0].request_ids)
+
+
+def test_no_engine_back_in_time_fails_the_step_with_every_sample_stored():
+    c = cfg(max_staleness=100, engine_wait_s=0.05)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=9, tick=0.001)
+    asyncio.run(rollout.step(0, 0))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        for e in (0, 1):
+            loop.call_later(0.01, pool.kill, e)
+        await rollout.step(1, 1)
+
+    with pytest.raises(RuntimeError, match="no engine came back within rollout.engine_wait_s"):
+        asyncio.run(main())
+    assert source.num_groups_taken == rollout.num_returned_groups + rollout.num_dropped_groups + len(store)
+    pool.restart(0)
+    rollout.revive([0])
+    check_invariants(asyncio.run(rollout.step(2, 2)), rollout, source, store, c, set())
+
+
+def test_mask_bounds_every_trained_token_also_finished_members_and_surplus():
+    """Under staleness.policy=mask the learner's mask (collate + off_policy_weights at the version the
+    batch is trained at) drops exactly the tokens older than the bound: also those of finished samples
+    that waited in the store for their group's siblings, which no store policy restarts."""
+    from april_ray.learn.algorithms import off_policy_weights, trained_staleness_max
+    from april_ray.learn.learner import collate
+
+    bound = 1
+    c = cfg(max_response_len=300, max_staleness=bound, stale_policy="mask", over_sampling_batch_size=16)
+    assert c.staleness.mask_older_than == bound
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=2, tick=0.0005)
+    results = asyncio.run(run_steps(rollout, source, store, engines, c, 10))
+    stale_finished, masked = 0, 0
+    for r in results:
+        samples = returned_samples(r)
+        batch = collate(samples, pad_id=0)
+        _, keep, _ = off_policy_weights(batch["behaviour_logp"], batch["behaviour_logp"], batch["versions"], r.step,
+                                        batch["mask"], 2.0, c.staleness.mask_older_than)
+        age = (r.step - batch["versions"]) * batch["mask"]
+        assert not (keep * (age > bound)).any()  # nothing older than the bound is trained
+        assert (keep == batch["mask"] * (age <= bound)).all()  # and everything within it is
+        masked += int((batch["mask"] - keep).sum())
+        assert trained_staleness_max(r.staleness, c.staleness.mask_older_than) <= bound
+        stale_finished += sum(1 for s in samples if s.versions and r.step - s.versions[0] > bound)
+    assert masked > 0 and stale_finished > 0, "the run should have trained some stale tokens to mask"
+
+
+def test_trained_staleness_max_and_the_mask_per_policy_by_hand():
+    import torch
+
+    from april_ray.learn.algorithms import off_policy_weights, trained_staleness_max
+
+    hist = {0: 10, 2: 5, 4: 3, 7: 1, 9: 0}
+    assert trained_staleness_max(hist, -1) == 7  # keep: every token is trained (9 has none)
+    assert trained_staleness_max(hist, 4) == 4 and trained_staleness_max(hist, 3) == 2
+    assert trained_staleness_max(hist, 0) == 0 and trained_staleness_max({}, 4) == 0
+    assert [StalenessConfig(3, p).mask_older_than for p in ("keep", "restart", "mask")] == [-1, 3, 3]
+    assert StalenessConfig().policy == "mask"
+    versions = torch.tensor([[5, 5, 7, 8, 0], [2, 3, 6, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.float)
+    logp = torch.zeros(2, 5)
+    _, keep, m = off_policy_weights(logp, logp, versions, 8, mask, 2.0, 2)  # trained at version 8, bound 2
+    assert keep.tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 0, 0]]  # ages 3 3 1 0 | 6 5 2
+    assert m["off_policy/masked_token_ratio"] == pytest.approx(4 / 7)

@@ -62,6 +62,12 @@ def off_policy_weights(old_logp, behaviour_logp, versions, version, mask, tis_ca
     return weights.detach(), keep, metrics
 
 
+def trained_staleness_max(hist: dict[int, int], mask_older_than: int) -> int:
+    """Age in versions of the oldest token that `off_policy_weights` keeps in the loss, from a batch's
+    tokens by age (`rollout/staleness_hist`): ages over `mask_older_than` are masked (-1: none is)."""
+    return max((age for age, n in hist.items() if n and (mask_older_than < 0 or age <= mask_older_than)), default=0)
+
+
 def _clip_metrics(ratio, adv, mask, low, high) -> dict[str, float]:
     clipped = ((ratio < 1 - low) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
     return {"loss/clip_fraction": float(masked_mean(clipped.float(), mask)),

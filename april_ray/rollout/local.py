@@ -27,7 +27,8 @@ def resolve(x):
 
 
 class LocalPool:
-    """`EnginePool` over in-process workers; `kill(e)` makes engine e fail its calls like a dead actor."""
+    """`EnginePool` over in-process workers; `kill(e)` makes engine e fail its calls like a dead actor,
+    `restart(e)` makes it serve again."""
 
     def __init__(self, workers, capacities: list[int], abort_delay: float = 0.0):
         self.workers = workers
@@ -60,6 +61,10 @@ class LocalPool:
     def kill(self, engine):
         self.dead.add(engine)
         self.workers[engine].engine.abort_all()
+
+    def restart(self, engine):
+        """Engine e serves again (the monitor takes it back when told: `CompletionMonitor.revive`)."""
+        self.dead.discard(engine)
 
 
 class LocalProxy:

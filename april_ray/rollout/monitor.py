@@ -13,7 +13,9 @@ samples whose groups wait in the store); everything about one step lives in a `S
 the step starts and dropped when it ends. The monitor reads only each call's small `SampleMeta`; samples
 stay behind handles (object refs on Ray) that go straight to the store or, in the batch, to the learner.
 An engine that dies takes only the tokens of its in-flight calls with it: those samples are re-dispatched
-from the state they were sent in.
+from the state they were sent in, and the engine takes no more work until `revive` hands it back (the
+driver calls it once the restarted engine holds the current weights: driver/engines.py). With every engine
+dead, a step waits up to `rollout.engine_wait_s` for one to come back before it fails.
 """
 from __future__ import annotations
 
@@ -82,6 +84,7 @@ class Call:
     engine: int
     handles: list[Any]
     """A handle per carried sample, for its result."""
+    sent_s: float = 0.0
 
 
 @dataclass
@@ -107,6 +110,11 @@ class StepState:
     start_s: float = 0.0
     abort_latency_s: float = 0.0
     abort_resends: int = 0
+    engine_crashes: int = 0
+    crash_tokens_lost: float = 0.0
+    sample_seconds: float = 0.0
+    """Seconds on an engine summed over the samples of every returned call, with `generated_tokens` the
+    step's per-sequence token rate."""
 
     @property
     def num_incomplete(self) -> int:
@@ -135,6 +143,12 @@ class CompletionMonitor:
         """Step tokens sent to engines are (run_id, step): unique even when another monitor reuses them."""
         self.num_returned_groups = 0
         self.num_dropped_groups = 0
+        self.num_engine_crashes = 0
+        self.token_rate = 0.0
+        """Tokens per second per sequence in the last step's returned calls (the crash-loss estimate)."""
+        self._revived: asyncio.Event | None = None
+        self.heard_s = [0.0] * len(pool.capacities)
+        """When each engine last returned a call: it was alive then."""
         self.finished_handles: dict[str, Any] = {}
         """Sample id -> this monitor's handle of its finished result, for samples whose group went to
         the store unfinished: when the group comes back, the batch reuses the handle instead of making
@@ -161,7 +175,10 @@ class CompletionMonitor:
 
     async def _collect(self, s: StepState) -> str | None:
         """Results in completion order until N groups are complete; returns why the step cannot finish."""
-        while s.pending and len(s.completed) < self.cfg.rollout_batch_size:
+        while len(s.completed) < self.cfg.rollout_batch_size and (s.pending or await self._engine_back(s)):
+            if not s.pending:
+                self._dispatch(s)
+                continue
             done, _ = await asyncio.wait(s.pending, return_when=asyncio.FIRST_COMPLETED)
             for fut in done:
                 self._on_result(s, fut)
@@ -169,8 +186,28 @@ class CompletionMonitor:
             if failure:
                 return failure
         if len(s.completed) < self.cfg.rollout_batch_size:
-            return f"step {s.step}: no engine left alive to finish the rollout"
+            return (f"step {s.step}: no engine came back within rollout.engine_wait_s="
+                    f"{self.cfg.engine_wait_s:g}s to finish the rollout")
         return None
+
+    async def _engine_back(self, s: StepState) -> bool:
+        """With work queued and every engine dead, wait for `revive`; False when none came back in time."""
+        if not s.queue:
+            return False
+        self._revived = asyncio.Event()  # made on the running loop (tests run steps on several loops)
+        if not any(self.alive):
+            try:
+                await asyncio.wait_for(self._revived.wait(), self.cfg.engine_wait_s)
+            except asyncio.TimeoutError:
+                return False
+        return True
+
+    def revive(self, engines: list[int]) -> None:
+        """Take engines back (restarted, and holding the current weights): they get work again at once."""
+        for e in engines:
+            self.alive[e] = True
+        if engines and self._revived is not None:
+            self._revived.set()
 
     @staticmethod
     def _call_error(s: StepState) -> str | None:
@@ -230,7 +267,7 @@ class CompletionMonitor:
                 engine = min(live, key=lambda e: s.load[e] / self.pool.capacities[e])
             flight.engine = engine
             fut, handles = self.pool.generate(engine, [flight.handles[i] for i in idx], s.token)
-            s.pending[asyncio.ensure_future(fut)] = Call(gid, idx, engine, handles)
+            s.pending[asyncio.ensure_future(fut)] = Call(gid, idx, engine, handles, self.clock())
             for i in idx:
                 flight.states[i] = SampleState.RUNNING
             s.load[engine] += len(idx)
@@ -245,7 +282,7 @@ class CompletionMonitor:
             for i in call.indices:
                 flight.states[i] = flight.metas[i].state if flight.metas[i] else flight.group.samples[i].state
             if isinstance(e, EngineFailure):  # resend them to a live engine
-                self.alive[call.engine] = False
+                self._lost(s, call)
                 s.queue.appendleft(call.group_id)
             else:  # a bug or a bad sample: not resent; the step stores everything, then fails
                 s.call_errors.append(f"group {call.group_id} on engine {call.engine}: {e!r}")
@@ -253,10 +290,27 @@ class CompletionMonitor:
         for i, handle, meta in zip(call.indices, call.handles, metas):
             flight.handles[i], flight.metas[i], flight.states[i] = handle, meta, meta.state
             s.generated_tokens += meta.num_new_tokens
+        s.sample_seconds += len(call.indices) * (self.clock() - call.sent_s)
+        self.heard_s[call.engine] = self.clock()
         if flight.complete:
             self._group_done(s, call.group_id)
         elif len(s.completed) < self.cfg.rollout_batch_size:
             s.queue.append(call.group_id)  # aborted by someone else before our interrupt: resume it
+
+    def _lost(self, s: StepState, call: Call) -> None:
+        """A call died with its engine: count the crash (once per death) and the tokens thrown away.
+
+        The dead process takes its counters with it, so the tokens are estimated, as a lower bound: the
+        call's seconds on the engine up to the last time the engine returned anything (it was alive then;
+        Ray reports a death about a second later), times its samples, times the per-sequence token rate of
+        the calls this step returned (the last step's before any returned). A call sent to an engine that
+        was already dead, or restarted without the current weights, adds nothing."""
+        if self.alive[call.engine]:
+            self.alive[call.engine] = False
+            s.engine_crashes += 1
+            self.num_engine_crashes += 1
+        rate = s.generated_tokens / s.sample_seconds if s.sample_seconds else self.token_rate
+        s.crash_tokens_lost += len(call.indices) * rate * max(0.0, self.heard_s[call.engine] - call.sent_s)
 
     def _group_done(self, s: StepState, gid: str) -> None:
         reason = filter_reason(s.flights[gid].metas) if self.cfg.dynamic_filter else None
@@ -292,6 +346,8 @@ class CompletionMonitor:
         staleness = batch_staleness(metas, s.version)
         metrics = self._metrics(s, metas, staleness, wall=self.clock() - t0, store_s=self.clock() - t_store)
         metrics |= {"rollout/groups_surplus": len(surplus), "rollout/groups_partial": len(partial)}
+        if s.sample_seconds:
+            self.token_rate = s.generated_tokens / s.sample_seconds
         for gid in (*batch, *s.dropped):
             for m in s.flights[gid].metas:
                 self.finished_handles.pop(m.sample_id, None)
@@ -319,6 +375,8 @@ class CompletionMonitor:
             "rollout/groups_fresh": s.num_fresh,
             "rollout/groups_resumed": s.num_resumed,
             "rollout/groups_filtered": len(s.dropped),
+            "rollout/engine_crashes": s.engine_crashes,
+            "rollout/crash_tokens_lost": round(s.crash_tokens_lost),
             "rollout/reward_mean": sum(m.reward for ms in metas for m in ms) / num_samples,
             "rollout/response_len_mean": trained / num_samples,
         }

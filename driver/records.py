@@ -1,0 +1,54 @@
+"""The job's own record of where every group went: `groups.jsonl` in `train.output_dir`.
+
+One row per step, written before that step's checkpoint (so a resumed run never lacks the rows of the
+steps it kept): the group ids returned for training with their sample ids, the groups the dynamic filter
+dropped with the reason, the trained tokens by age, and the engine crashes the monitor saw. A last row,
+`"end": true`, holds the prompt source's cursor and the ids of the groups left in the store. Together they
+account for every group taken from the source: returned, dropped or stored (`jobs/chaos.py` checks it).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from april_ray.learn.algorithms import trained_staleness_max
+from april_ray.types import StepResult
+
+
+class GroupLog:
+    def __init__(self, out_dir: Path, mask_older_than: int, fresh: bool = True):
+        """`fresh`: a new run starts a new file; a resumed one appends (after the resume truncated it)."""
+        self.path = Path(out_dir) / "groups.jsonl"
+        self.mask_older_than = mask_older_than
+        if fresh:
+            self.path.unlink(missing_ok=True)
+
+    def step(self, step: int, version: int, batch: StepResult) -> None:
+        self._write({
+            "step": step, "version": version,
+            "returned": list(batch.returned_group_ids),
+            "samples": {gid: [m.sample_id for m in metas] for gid, metas in zip(batch.returned_group_ids, batch.metas)},
+            "dropped": dict(batch.dropped),
+            "staleness": {str(age): n for age, n in batch.staleness.items()},
+            "mask_older_than": self.mask_older_than,
+            "max_trained_staleness": trained_staleness_max(batch.staleness, self.mask_older_than),
+            "engine_crashes": batch.metrics.get("rollout/engine_crashes", 0),
+            "crash_tokens_lost": batch.metrics.get("rollout/crash_tokens_lost", 0)})
+
+    def end(self, step: int, source_state: dict, store_state: dict) -> None:
+        self._write({"step": step, "end": True, "source": source_state,
+                     "store": {kind: [group_id(g) for g in store_state[kind]] for kind in ("partial", "complete")}})
+
+    def _write(self, row: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def group_id(group) -> str:
+    """A stored group's id, whether the store's state holds groups or their JSON form."""
+    return group["group_id"] if isinstance(group, dict) else group.group_id
+
+
+def read_rows(out_dir: Path) -> list[dict]:
+    path = Path(out_dir) / "groups.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []

@@ -1,0 +1,218 @@
+"""Chaos: the training job on a local Ray while engine processes are killed, then its accounting checked.
+
+    python -m jobs.chaos --config configs/tiny_cpu.yaml --kills K --json PATH [--seed S] [key=value ...]
+    python -m jobs.chaos --config configs/tiny_cpu.yaml --driver-kills N --json PATH [key=value ...]
+
+`--kills K` runs `jobs.train.train` while a thread kills K engine worker processes with SIGKILL, as a user
+would (`kill -9` of a `ray::EngineWorkerActor` process; only processes of this job's own Ray). The kills
+fall at seeded random moments: K steps drawn at random, and within each a random delay up to the mean
+step time so far, so they land mid-decode, mid-abort, mid-weight-update or mid-evaluation. The check reads
+only the job's own records (`groups.jsonl`, driver/records.py): every group taken from the prompt source
+must be returned for training exactly once, dropped by the filter, or left in the store, with each of its
+samples once; no trained token may be older than the staleness bound.
+
+`--driver-kills N` kills the driver instead and resumes it (jobs/chaos_driver.py).
+
+Without overrides the run is short: `train.num_steps=30`, a held-out set of 128 prompts evaluated every 10
+steps, output in outputs/chaos, wandb off. Key=value overrides come after these and win.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from jobs.common import write_result
+from april_ray.config import ConfigError, add_config_args, config_from_args
+from april_ray.learn.algorithms import trained_staleness_max
+from driver.records import read_rows
+
+DEFAULTS = ["train.num_steps=30", "task.num_eval=128", "train.eval_every=10", "train.output_dir=outputs/chaos",
+            "logging.wandb_mode=disabled"]
+ENGINE_TITLE = b"ray::EngineWorkerActor"
+
+
+def descendants(root: int) -> dict[int, bytes]:
+    """pid -> command line of every process under `root` (Linux /proc)."""
+    parent, cmdline = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out = {}
+    for pid in parent:
+        p = pid
+        while p in parent and p != root and p > 1:
+            p = parent[p]
+        if p == root and pid != root:
+            out[pid] = cmdline[pid]
+    return out
+
+
+def engine_pids() -> list[int]:
+    return sorted(pid for pid, cmd in descendants(os.getpid()).items() if cmd.startswith(ENGINE_TITLE))
+
+
+class EngineKiller(threading.Thread):
+    """Kills `kills` engine processes at seeded random moments of the run in `out_dir`."""
+
+    def __init__(self, kills: int, num_steps: int, out_dir: Path, seed: int):
+        super().__init__(daemon=True)
+        self.rng = random.Random(seed)
+        self.at_steps = sorted(self.rng.randrange(1, max(2, num_steps - 1)) for _ in range(kills))
+        self.out_dir = out_dir
+        self.done: list[dict] = []
+        self.stop = threading.Event()
+        self.first_row_s: float | None = None
+
+    def steps_done(self) -> tuple[int, float]:
+        """(steps recorded so far, mean seconds per step since the first one was seen)."""
+        n = sum(1 for r in read_rows(self.out_dir) if "end" not in r)
+        if n and self.first_row_s is None:
+            self.first_row_s = time.time()
+        return n, (time.time() - self.first_row_s) / (n - 1) if n > 1 else 1.0
+
+    def run(self) -> None:
+        step_s = 1.0
+        for at in self.at_steps:
+            while not self.stop.is_set():
+                n, step_s = self.steps_done()
+                if n >= at:
+                    break
+                time.sleep(0.1)
+            if self.stop.wait(self.rng.uniform(0, step_s)):
+                return
+            self.kill_one(at)
+
+    def kill_one(self, at: int) -> None:
+        deadline = time.time() + 120
+        while not self.stop.is_set() and time.time() < deadline:
+            pids = engine_pids()
+            if pids:
+                pid = self.rng.choice(pids)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                self.done.append({"after_step": at, "pid": pid, "t": time.time()})
+                print(f"chaos: SIGKILL engine process {pid} after step {at}", flush=True)
+                return
+            time.sleep(0.2)
+
+
+def taken_group_ids(source_state: dict) -> list[str]:
+    """The ids of every group a fresh prompt source handed out, from its final cursor (prompt_source.py)."""
+    n, epoch, position = source_state["num_examples"], source_state["epoch"], source_state["position"]
+    return [f"e{e}p{p}" for e in range(epoch + 1) for p in range(n if e < epoch else position)]
+
+
+def check_records(out_dir: Path, n_samples: int) -> dict:
+    """Lost and duplicated samples, the oldest trained token and the crashes, from `groups.jsonl`."""
+    rows = read_rows(out_dir)
+    steps = [r for r in rows if "end" not in r]
+    end = next((r for r in reversed(rows) if r.get("end")), None)
+    returned = Counter(g for r in steps for g in r["returned"])
+    samples = Counter(s for r in steps for ids in r["samples"].values() for s in ids)
+    dropped = Counter(g for r in steps for g in r["dropped"])
+    stored = Counter(end["store"]["partial"] + end["store"]["complete"]) if end else Counter()
+    placed = returned + dropped + stored
+    taken = taken_group_ids(end["source"]) if end else sorted(placed)
+    lost = sum(n_samples for g in taken if g not in placed)
+    lost += sum(n_samples - len(set(ids)) for r in steps for ids in r["samples"].values())
+    duplicated = sum(c - 1 for c in samples.values() if c > 1)
+    # a group dropped or stored more than once, or also trained: its samples are counted again
+    duplicated += sum(max(0, c - (0 if g in returned else 1)) * n_samples for g, c in (dropped + stored).items())
+    return {
+        "steps_completed": len({r["step"] for r in steps}),
+        "groups_taken": len(taken), "groups_returned": sum(returned.values()),
+        "groups_dropped": sum(dropped.values()), "groups_stored": sum(stored.values()),
+        "dropped_reasons": dict(Counter(reason for r in steps for reason in r["dropped"].values())),
+        "unknown_groups": len(set(placed) - set(taken)),
+        "lost_samples": lost, "duplicated_samples": duplicated,
+        "max_trained_staleness": max((trained_staleness_max({int(a): c for a, c in r["staleness"].items()},
+                                                            r["mask_older_than"]) for r in steps), default=0),
+        "engine_crashes_seen": sum(r["engine_crashes"] for r in steps),
+        "crash_tokens_lost": sum(r["crash_tokens_lost"] for r in steps),
+        "complete_record": end is not None,
+    }
+
+
+def run_engine_kills(cfg, args) -> dict:
+    import ray
+
+    from jobs.train import train
+
+    out = Path(cfg.train.output_dir)
+    killer = EngineKiller(args.kills, cfg.train.num_steps, out, args.seed)
+    (out / "groups.jsonl").unlink(missing_ok=True)  # the killer counts this run's rows only
+    killer.start()
+    error, t0 = None, time.time()
+    try:
+        summary = train(cfg)
+    except Exception as e:  # the check still runs: how far did it get, and was anything lost?
+        error, summary = f"{type(e).__name__}: {e}", {}
+    finally:
+        killer.stop.set()
+        ray.shutdown()
+    result = {"kills": len(killer.done), "kills_requested": args.kills, "kill_steps": killer.at_steps,
+              "steps": cfg.train.num_steps, "staleness_bound": cfg.staleness.max_versions,
+              "staleness_policy": cfg.staleness.policy, "wall_s": time.time() - t0,
+              "accuracy_before": summary.get("accuracy_before"), "accuracy_after": summary.get("accuracy_after"),
+              "engine_restarts": last_metric(out, "engine/restarts"), "error": error}
+    result |= check_records(out, cfg.rollout.n_samples_per_prompt)
+    bound = cfg.staleness.mask_older_than
+    result["ok"] = (error is None and result["steps_completed"] == result["steps"] and not result["lost_samples"]
+                    and not result["duplicated_samples"] and (bound < 0 or result["max_trained_staleness"] <= bound))
+    return result
+
+
+def last_metric(out: Path, key: str):
+    import json
+
+    path = out / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return max((r[key] for r in rows if key in r), default=None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser)
+    parser.add_argument("--kills", type=int, default=0, help="engine processes to SIGKILL during the run")
+    parser.add_argument("--driver-kills", type=int, default=0, help="times to SIGKILL the driver and resume it")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
+    parser.add_argument("--json", help="write the result JSON here")
+    args = parser.parse_intermixed_args()
+    args.overrides = DEFAULTS + args.overrides
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        parser.error(str(e))
+    if args.kills < 0 or args.driver_kills < 0:
+        parser.error("--kills and --driver-kills must be at least 0")
+    result = {}
+    if args.kills or not args.driver_kills:
+        result |= run_engine_kills(cfg, args)
+    if args.driver_kills:
+        try:
+            from jobs.chaos_driver import run_driver_kills
+        except ImportError as e:
+            raise SystemExit(f"--driver-kills needs jobs/chaos_driver.py (run_driver_kills), which is not "
+                             f"importable here: {e}")
+        result |= run_driver_kills(cfg, args)
+    write_result(args.json, result)
+    if not result.get("ok", True):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
