@@ -28,10 +28,10 @@ class LearnerActor:
 
     def setup(self, learner_cfg: LearnerConfig, algo_cfg: AlgorithmConfig, temperature: float,
               max_response_len: int, mask_older_than: int, model_path: str, rank: int, world_size: int,
-              master: tuple[str, int]) -> None:
+              master: tuple[str, int], seed: int = 0) -> None:
         os.environ["MASTER_ADDR"] = "127.0.0.1" if world_size == 1 else master[0]
         self.learner = Learner(model_path, learner_cfg, algo_cfg, temperature, max_response_len, mask_older_than,
-                               rank, world_size, master[1])
+                               rank, world_size, master[1], seed=seed)
 
     def train(self, handles: list, version: int) -> dict:
         return self.learner.train_step(fetch(handles), version)

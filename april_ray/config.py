@@ -226,6 +226,12 @@ class LearnerConfig:
     grad_clip: float = positive(1.0)
     micro_batch_tokens: int = positive(16384)
     """Padded tokens per forward/backward micro-batch."""
+    max_spread: float = _rule(2.0, ">= 1", lambda v: v >= 1)
+    """A micro-batch's longest sample is at most this many times its shortest (bounds the padding, as the
+    engine's prefill chunks do); a large value packs micro-batches by the token budget alone."""
+    num_minibatches: int = positive(1)
+    """Optimiser steps per rollout batch (PPO mini-batches, samples shuffled). Above 1, the step starts with
+    one no-grad forward for the proximal policy's logprobs, which the clipped ratio is taken against."""
     num_threads: int = positive(2)
     gpus: int = non_negative(0)
     """GPUs per learner rank."""
@@ -242,6 +248,9 @@ class TrainConfig:
     output_dir: str = "outputs/train"
     eval_greedy: bool = True
     """Also evaluate greedily (temperature 0) on the held-out prompts."""
+    seed: int = 0
+    """The run's seed: offsets the learner's (mini-batch order, torch) and the prompt order's seeds; the task's
+    data stays task.seed's and the engines sample with engine.seed (jobs.bench.train sets both per seed)."""
 
 
 @dataclass

@@ -14,11 +14,17 @@ from april_ray.config import Config
 from april_ray.placement import actor_resources
 
 
+# OpenMP threads that sleep at a barrier instead of spinning: on CPU cores shared with the engines (or with
+# other jobs) a spinning thread burns the time slice its partner needs, and 2-thread steps of the tiny model
+# took 20-40x longer than 1-thread ones (BENCHMARKS.md, step breakdown). Set before torch loads in the actor.
+LEARNER_ENV = {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
+
+
 class LearnerGroup:
     def __init__(self, cfg: Config, model_path: str, engines):
         layout, pg = engines.layout, engines.placement_group
         self.actors = [
-            LearnerActor.options(**actor_resources(layout, b),
+            LearnerActor.options(**actor_resources(layout, b), runtime_env=LEARNER_ENV,
                                  scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b)
                                  ).remote()
             for b in layout.learner_bundles
@@ -27,7 +33,7 @@ class LearnerGroup:
         world = len(self.actors)
         mask_older_than = cfg.staleness.max_versions if cfg.staleness.policy == "mask" else -1
         ray.get([a.setup.remote(cfg.learner, cfg.algorithm, cfg.sampling.temperature, cfg.sampling.max_response_len,
-                                mask_older_than, str(model_path), r, world, master)
+                                mask_older_than, str(model_path), r, world, master, cfg.train.seed)
                  for r, a in enumerate(self.actors)])
         self.model_path = str(model_path)
         self.sync = WEIGHT_SYNC[cfg.engine.weight_sync](self.actors, engines, cfg, self.model_path)

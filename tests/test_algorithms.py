@@ -83,3 +83,39 @@ def test_kl_k3_is_zero_at_reference_and_positive_elsewhere():
     assert algo.kl_k3(lp, lp, mask).item() == 0.0
     d = 0.3
     assert algo.kl_k3(lp, lp + d, mask).item() == pytest.approx(math.exp(d) - d - 1)
+
+
+def test_decoupled_ppo_by_hand_clip_higher_acts_and_behaviour_enters_as_a_truncated_weight():
+    # pi / pi_old = e^0.3 = 1.35 (above 1 + clip_high = 1.28) and e^-0.3 = 0.74 (below 1 - clip_low = 0.8);
+    # pi_old / pi_behaviour = e^1 = 2.72 (truncated at 2) and e^-0.5 = 0.61
+    logp = torch.tensor([[0.3, -0.3]], requires_grad=True)
+    old = torch.zeros(1, 2)
+    behaviour = torch.tensor([[-1.0, 0.5]])
+    mask = torch.ones(1, 2)
+    w, keep, _ = algo.off_policy_weights(old, behaviour, torch.zeros(1, 2, dtype=torch.long), 0, mask, 2.0, -1)
+    torch.testing.assert_close(w, torch.tensor([[2.0, math.exp(-0.5)]]))
+    pos = algo.token_policy_loss(logp, old, torch.tensor([1.0]), keep, w, 0.2, 0.28, "token_mean")
+    # A > 0: the first token is clipped at 1.28 (no gradient), the second keeps its ratio
+    assert pos.loss.item() == pytest.approx(-(1.28 * 2.0 + math.exp(-0.3) * math.exp(-0.5)) / 2, rel=1e-6)
+    assert pos.metrics["loss/clip_fraction"] == pytest.approx(0.5)
+    pos.loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -math.exp(-0.3) * math.exp(-0.5) / 2]]))
+    neg = algo.token_policy_loss(logp, old, torch.tensor([-1.0]), keep, w, 0.2, 0.28, "token_mean")
+    # A < 0: the second token is clipped at 0.8, the first keeps its ratio (min of -r*1 and -1.28*1)
+    assert neg.loss.item() == pytest.approx((math.exp(0.3) * 2.0 + 0.8 * math.exp(-0.5)) / 2, rel=1e-6)
+
+
+def test_gspo_sequence_clip_acts_on_the_decoupled_ratio_with_behaviour_weights():
+    logp = torch.tensor([[0.002, 0.0]], requires_grad=True)
+    old = torch.zeros(1, 2)
+    mask = torch.ones(1, 2)
+    w = torch.tensor([[1.0, 1.0]])
+    # s = exp(0.001) = 1.0010 > 1 + 4e-4: clipped for A > 0, and the clipped branch carries no gradient
+    out = algo.sequence_policy_loss(logp, old, torch.tensor([1.0]), mask, w, 3e-4, 4e-4)
+    assert out.loss.item() == pytest.approx(-(1 + 4e-4)) and out.metrics["loss/clip_fraction"] == 1.0
+    out.loss.backward()
+    assert torch.count_nonzero(logp.grad) == 0
+    # a behaviour weight of e^-0.002 on the first token brings the sequence ratio back to 1: not clipped
+    w2 = torch.tensor([[math.exp(-0.002), 1.0]])
+    inside = algo.sequence_policy_loss(logp, old, torch.tensor([1.0]), mask, w2, 3e-4, 4e-4)
+    assert inside.loss.item() == pytest.approx(-1.0) and inside.metrics["loss/clip_fraction"] == 0.0

@@ -103,3 +103,90 @@ def test_torch_learner_checkpoint_round_trip(random_model_dir, tmp_path):
     for k, v in learner.state_dict().items():
         torch.testing.assert_close(again.state_dict()[k], v)
     assert again.steps == 1 and again.optimizer.state_dict()["state"]
+
+
+def gradients_of_one_step(learner, samples, version=0):
+    """The gradients the optimiser would apply (its step replaced by a capture), and the step's metrics."""
+    captured = {}
+
+    def capture():
+        captured.update({n: p.grad.clone() for n, p in learner.module.named_parameters() if p.grad is not None})
+        learner.optimizer.zero_grad(set_to_none=True)
+        return 0.0
+
+    learner.optim.step = capture
+    return captured, learner.train_step(samples, version)
+
+
+def stale_batch(model_dir):
+    """Policy-scored samples with varied lengths, behaviour logprobs shifted (so IS weights differ from 1)."""
+    samples = batch_from_policy(model_dir, n_groups=3, n=4)
+    for k, s in enumerate(samples):
+        s.response_ids = s.response_ids + [7] * (3 * k)
+        s.logprobs = [lp - 0.1 * (k % 3) for lp in s.logprobs] + [-2.0] * (3 * k)
+        s.versions = [k % 2] * len(s.response_ids)
+    return samples
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "gspo"])
+def test_loss_and_gradients_do_not_depend_on_the_micro_batching(random_model_dir, name):
+    algo = {"grpo": AlgorithmConfig(), "dapo": AlgorithmConfig("dapo", 0.2, 0.28, "token_mean"),
+            "gspo": AlgorithmConfig("gspo", 3e-4, 4e-4)}[name]
+    samples = stale_batch(random_model_dir)
+    results = []
+    for budget, spread in ((1 << 20, 1e9), (60, 1.2), (200, 2.0)):
+        learner = Learner(str(random_model_dir), LearnerConfig(backend="torch", micro_batch_tokens=budget,
+                                                               max_spread=spread), algo, 1.0, 32, mask_older_than=0)
+        results.append(gradients_of_one_step(learner, samples, version=1))
+    (one, m_one), *others = results
+    assert m_one["train/num_micro_batches"] == 1
+    for grads, m in others:
+        assert m["train/num_micro_batches"] > 2
+        assert m["loss/policy"] == pytest.approx(m_one["loss/policy"], rel=1e-5, abs=1e-7)
+        for k in one:
+            torch.testing.assert_close(grads[k], one[k], rtol=1e-4, atol=1e-7)
+
+
+def test_two_minibatches_take_two_steps_against_the_proximal_policy(random_model_dir):
+    samples = batch_from_policy(random_model_dir)
+    cfg = LearnerConfig(backend="torch", lr=5e-3, num_minibatches=2)
+    algo = AlgorithmConfig("dapo", 0.2, 0.28, "token_mean")
+    learner = Learner(str(random_model_dir), cfg, algo, temperature=1.0, max_response_len=32)
+    ratios = []
+    real_step = learner.optim.step
+
+    def step():  # record each mini-batch's ratio as the loss saw it, then step for real
+        ratios.append(learner_metrics[-1])
+        return real_step()
+
+    learner_metrics = []
+    loss = learner._loss
+
+    def recording_loss(*args):
+        out, metrics = loss(*args)
+        learner_metrics.append(metrics["loss/ratio_mean"])
+        return out, metrics
+
+    learner._loss, learner.optim.step = recording_loss, step
+    m = learner.train_step(samples, version=0)
+    assert learner.steps == 2 and m["train/num_minibatches"] == 2
+    # the first mini-batch sees the proximal weights (ratio 1); the second sees weights one step on
+    assert ratios[0] == pytest.approx(1.0, abs=1e-6) and abs(ratios[1] - 1.0) > 1e-4
+    # the engines sampled with the proximal weights: the behaviour weight stays 1 in both steps
+    assert m["train/behaviour_logp_gap"] < 1e-4
+
+
+def test_one_minibatch_ratio_is_one_and_needs_no_extra_forward(random_model_dir):
+    learner = Learner(str(random_model_dir), LearnerConfig(backend="torch"), AlgorithmConfig(), 1.0, 32)
+    calls = []
+    learner.proximal_logprobs = lambda samples: calls.append(samples)
+    m = learner.train_step(batch_from_policy(random_model_dir), version=0)
+    assert not calls and m["loss/ratio_mean"] == pytest.approx(1.0) and m["loss/clip_fraction"] == 0.0
+
+
+def test_proximal_logprobs_match_the_engines_when_the_weights_are_the_same(random_model_dir):
+    samples = batch_from_policy(random_model_dir)
+    learner = Learner(str(random_model_dir), LearnerConfig(backend="torch", micro_batch_tokens=40), AlgorithmConfig(),
+                      1.0, 32)
+    for s, lp in zip(samples, learner.proximal_logprobs(samples)):
+        torch.testing.assert_close(lp, torch.tensor(s.logprobs), rtol=0, atol=1e-5)

@@ -1,9 +1,17 @@
 """The learner: one data-parallel rank of policy optimisation on a batch of samples.
 
-`train_step(samples, version)` turns samples (whole groups) into padded micro-batches, recomputes the
-current logprobs, applies the configured algorithm with off-policy correction, and takes one optimiser
-step. There is one optimiser step per rollout batch, so pi_old is the current policy detached (no extra
-forward pass); the behaviour logprobs recorded by the engines carry the staleness of partial rollouts.
+`train_step(samples, version)` computes group advantages, shuffles the samples into
+`learner.num_minibatches` PPO mini-batches and takes one optimiser step per mini-batch (decoupled PPO):
+- the proximal policy pi_old is the policy at the start of the train step. With several mini-batches its
+  logprobs come from one extra no-grad forward over the batch, and the clipped ratio pi / pi_old moves
+  away from 1 from the second mini-batch on. With one mini-batch pi_old is the current policy detached
+  (no extra forward): the ratio is 1 and the clip never acts, as in one-step GRPO.
+- the behaviour policy (the engines' recorded logprobs, possibly several versions old for partial
+  rollouts) enters only as the truncated importance weight min(pi_old / pi_behaviour, tis_cap).
+Each mini-batch runs as length-sorted micro-batches under a padded-token budget whose longest row is at most
+`learner.max_spread` times its shortest; each micro-batch's loss is weighted by its share of the
+mini-batch's loss units (tokens or sequences, per the aggregation), so the gradient does not depend on how
+the mini-batch is cut.
 
 The optimiser backend is chosen once, when the learner is built (`optim.py`): DeepSpeed ZeRO (gloo on
 CPU, NCCL/RCCL on GPU) or plain torch AdamW on one rank.
@@ -22,8 +30,9 @@ from april_ray.learn.optim import build_optim
 from april_ray.types import Sample
 
 
-def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded inputs, and per response token: target, mask, behaviour logprob and version.
+def collate(samples: list[Sample], pad_id: int, old_logp: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded inputs, and per response token: target, mask, behaviour logprob and version (and the
+    proximal logprob, when `old_logp` gives one tensor per sample over its response tokens).
 
     Response token t of a sample sits at input position len(prompt) + t and is predicted by the logits
     at the position before it; every per-token tensor here is aligned to those logits positions."""
@@ -33,13 +42,23 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     mask = torch.zeros(b, width - 1)
     behaviour = torch.zeros(b, width - 1)
     versions = torch.zeros(b, width - 1, dtype=torch.long)
+    old = torch.zeros(b, width - 1) if old_logp is not None else None
     for row, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         ids[row, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
         mask[row, p - 1 : p - 1 + r] = 1
         behaviour[row, p - 1 : p - 1 + r] = torch.tensor(s.logprobs)
         versions[row, p - 1 : p - 1 + r] = torch.tensor(s.versions)
-    return {"input_ids": ids, "mask": mask, "behaviour_logp": behaviour, "versions": versions}
+        if old is not None:
+            old[row, p - 1 : p - 1 + r] = old_logp[row]
+    batch = {"input_ids": ids, "mask": mask, "behaviour_logp": behaviour, "versions": versions}
+    return batch | ({"old_logp": old} if old is not None else {})
+
+
+def response_logprobs(logp: torch.Tensor, samples: list[Sample]) -> list[torch.Tensor]:
+    """Each sample's row of `logp` (as `collate` aligns it) cut to its response tokens."""
+    return [logp[row, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.response_ids)]
+            for row, s in enumerate(samples)]
 
 
 def token_logprobs(model, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -73,14 +92,15 @@ def policy_loss(logp, old_logp, adv, mask, weights, a: AlgorithmConfig) -> algo.
 class Learner:
     def __init__(self, model_path: str, learner_cfg: LearnerConfig, algo_cfg: AlgorithmConfig,
                  temperature: float, max_response_len: int, mask_older_than: int = -1, rank: int = 0,
-                 world_size: int = 1, master_port: int = 29500, device: str | None = None):
+                 world_size: int = 1, master_port: int = 29500, device: str | None = None, seed: int = 0):
         """`temperature`: what the engines sample with (logprobs are scored under it).
-        `mask_older_than`: tokens sampled more than this many versions ago are masked out of the loss (-1: none)."""
+        `mask_older_than`: tokens sampled more than this many versions ago are masked out of the loss (-1: none).
+        `seed`: the run's seed (mini-batch order; torch's generator)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(learner_cfg.num_threads)
-        torch.manual_seed(1234 + rank)
-        random.seed(rank)
+        torch.manual_seed(1234 + rank + 7919 * seed)
+        self.rng = random.Random(seed * 1_000_003 + rank)
         self.cfg, self.algo = learner_cfg, algo_cfg
         self.temperature, self.max_response_len, self.mask_older_than = temperature, max_response_len, mask_older_than
         self.rank, self.world_size = rank, world_size
@@ -112,41 +132,86 @@ class Learner:
 
     def train_step(self, samples: list[Sample], version: int) -> dict[str, float]:
         adv = advantages_for(samples, self.algo, self.max_response_len)
-        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        chunks = padded_chunks(lengths, self.cfg.micro_batch_tokens)
-        total_tokens = sum(len(s.response_ids) for s in samples)
+        order = list(range(len(samples)))
+        if self.cfg.num_minibatches > 1:
+            self.rng.shuffle(order)
+        k = min(self.cfg.num_minibatches, len(samples))
+        minibatches = [order[i::k] for i in range(k)]
+        old = self.proximal_logprobs(samples) if k > 1 else None
         sums: dict[str, float] = {}
-        for k, idx in enumerate(chunks):
-            part = [samples[i] for i in idx]
-            batch = {key: t.to(self.device) for key, t in collate(part, self.pad_id).items()}
-            out, stats = self._loss(batch, adv[idx].to(self.device), version)
-            # Each micro-batch's loss is weighted by its share of the batch's response tokens.
-            share = sum(len(s.response_ids) for s in part) / max(1, total_tokens)
-            self.optim.backward(out * share, is_last=k == len(chunks) - 1)
-            for key, v in stats.items():
-                sums[key] = sums.get(key, 0.0) + v * share
-        grad_norm = self.optim.step()
+        for idx in minibatches:
+            part_old = [old[i] for i in idx] if old is not None else None
+            for key, v in self._optimiser_step([samples[i] for i in idx], adv[idx], part_old, version).items():
+                sums[key] = sums.get(key, 0.0) + v / k
         rewards = [s.reward for s in samples]
-        return sums | {"train/grad_norm": grad_norm, "train/reward_mean": sum(rewards) / len(rewards),
+        total_tokens = sum(len(s.response_ids) for s in samples)
+        return sums | {"train/reward_mean": sum(rewards) / len(rewards), "train/num_minibatches": k,
                        "train/response_len_mean": total_tokens / len(samples), "train/num_samples": len(samples),
-                       "train/num_micro_batches": len(chunks), "train/lr": self.cfg.lr}
+                       "train/lr": self.cfg.lr}
 
-    def _loss(self, batch, adv, version):
+    def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        return padded_chunks(lengths, self.cfg.micro_batch_tokens, self.cfg.max_spread)
+
+    @torch.no_grad()
+    def proximal_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """pi_old: every sample's response-token logprobs under the current weights (one no-grad forward)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        for idx in self.micro_batches(samples):
+            part = [samples[i] for i in idx]
+            ids = collate(part, self.pad_id)["input_ids"].to(self.device)
+            for i, lp in zip(idx, response_logprobs(token_logprobs(self.model, ids, self.temperature), part)):
+                out[i] = lp
+        return out
+
+    def _optimiser_step(self, samples, adv, old, version) -> dict[str, float]:
+        """One optimiser step on a mini-batch, accumulated over its micro-batches."""
+        chunks = self.micro_batches(samples)
+        batches = []
+        for idx in chunks:
+            part = [samples[i] for i in idx]
+            batch = collate(part, self.pad_id, [old[i] for i in idx] if old is not None else None)
+            batches.append(({key: t.to(self.device) for key, t in batch.items()}, adv[idx].to(self.device)))
+        units = [self._loss_units(b, version) for b, _ in batches]
+        total = [max(1.0, sum(u[j] for u in units)) for j in range(2)]
+        sums: dict[str, float] = {}
+        for k, ((batch, a), (policy_units, tokens)) in enumerate(zip(batches, units)):
+            shares = (policy_units / total[0], tokens / total[1])
+            loss, stats = self._loss(batch, a, version, shares)
+            self.optim.backward(loss, is_last=k == len(batches) - 1)
+            for key, v in stats.items():  # metrics weighted like the loss they come from
+                sums[key] = sums.get(key, 0.0) + v * shares[1]
+        grad_norm = self.optim.step()
+        return sums | {"train/grad_norm": grad_norm, "train/num_micro_batches": len(chunks)}
+
+    def _loss_units(self, batch, version) -> tuple[float, float]:
+        """(policy-loss units, kept tokens) of a micro-batch: the policy loss averages over tokens
+        (token_mean) or over sequences with a kept token (seq_mean_token_mean, GSPO)."""
+        _, keep, _ = algo.off_policy_weights(batch["behaviour_logp"], batch["behaviour_logp"], batch["versions"],
+                                             version, batch["mask"], self.algo.tis_cap, self.mask_older_than)
+        tokens = float(keep.sum())
+        by_token = self.algo.name != "gspo" and self.algo.loss_aggregation == "token_mean"
+        return (tokens if by_token else float((keep.sum(1) > 0).sum())), tokens
+
+    def _loss(self, batch, adv, version, shares: tuple[float, float]):
+        """This micro-batch's part of the mini-batch loss: policy loss and KL, each times its share."""
         logp = token_logprobs(self.model, batch["input_ids"], self.temperature)
-        old_logp = logp.detach()
+        old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()
         weights, keep, metrics = algo.off_policy_weights(
             old_logp, batch["behaviour_logp"], batch["versions"], version, batch["mask"],
             self.algo.tis_cap, self.mask_older_than)
         out = policy_loss(logp, old_logp, adv, keep, weights, self.algo)
-        loss = out.loss
+        # a micro-batch with no kept sequence has a NaN sequence mean; its share of the loss is 0
+        loss = out.loss * shares[0] if shares[0] > 0 else (logp * 0).sum()
         metrics |= out.metrics
         if self.ref is not None:
             with torch.no_grad():
                 ref_logp = token_logprobs(self.ref, batch["input_ids"], self.temperature)
             kl = algo.kl_k3(logp, ref_logp, keep)
-            loss = loss + self.algo.kl_coef * kl
+            loss = loss + self.algo.kl_coef * kl * shares[1]
             metrics["loss/kl"] = float(kl)
-        metrics["loss/policy"] = float(out.loss.detach())
+        # metrics are summed weighted by token share: scaled so that the sum is the mini-batch's policy loss
+        metrics["loss/policy"] = float(out.loss.detach()) * shares[0] / max(shares[1], 1e-12) if shares[0] > 0 else 0.0
         metrics["train/behaviour_logp_gap"] = float(algo.masked_mean((old_logp - batch["behaviour_logp"]).abs(),
                                                                      batch["mask"]))
         return loss, metrics
@@ -154,7 +219,6 @@ class Learner:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU weights for the engines (under ZeRO-3, every rank must call this: it gathers)."""
         return self.optim.full_state_dict()
-
     def save(self, path: str | Path, tokenizer_dir: str | None = None) -> None:
         path = Path(path)
         weights = self.state_dict()  # every rank takes part in gathering
