@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ray
 
+from actors.metrics import EngineMetrics
 from actors.refs import fetch_async
 from april_ray.config import EngineConfig, SamplingConfig, StalenessConfig
 from april_ray.rollout.engine_worker import build_worker
@@ -16,8 +17,10 @@ from april_ray.rollout.engine_worker import build_worker
 @ray.remote
 class EngineWorkerActor:
     def __init__(self, engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig,
-                 task_name: str, model_path: str, version: int = 0):
+                 task_name: str, model_path: str, version: int = 0, index: int = 0):
         self.worker = build_worker(engine_cfg, sampling_cfg, staleness, task_name, model_path, version)
+        self.metrics = EngineMetrics(index, engine_cfg.max_num_seqs)
+        self.metrics.set_version(version)
 
     async def generate_group(self, step, samples: list):
         """Call with `.options(num_returns=2)`: the metas (for the monitor), then the list of samples
@@ -27,7 +30,11 @@ class EngineWorkerActor:
         by someone else's abort is re-sent by its handle), in one list argument: Ray serializes each
         top-level argument on its own, and one list cost the monitor ~0.4 ms a call to submit against
         ~0.6 ms for a group's eight samples as separate arguments."""
-        return await self.worker.generate_group(await fetch_async(samples), step)
+        self.metrics.call_started(self.worker.stats)
+        try:
+            return await self.worker.generate_group(await fetch_async(samples), step)
+        finally:
+            self.metrics.call_ended()
 
     async def throughput_probe(self, prompts: list[list[int]], concurrency: int, seconds: float):
         return await self.worker.throughput_probe(prompts, concurrency, seconds)
@@ -40,6 +47,7 @@ class EngineWorkerActor:
 
     async def update_weights(self, state_dict, version: int) -> None:
         self.worker.update_weights(state_dict, version)
+        self.metrics.set_version(version)
 
     async def server_url(self) -> str:
         """engine.backend=sglang: where this engine's server answers (the learner sends weights there)."""
@@ -61,4 +69,8 @@ class EngineWorkerActor:
         return ctx.get_node_id(), [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]
 
     async def stats(self, drain: bool = True):
-        return self.worker.stats(drain)
+        """The engine's statistics; draining them (once per step, by the driver) records its metrics."""
+        stats = self.worker.stats(drain)
+        if drain:
+            self.metrics.record(stats)
+        return stats

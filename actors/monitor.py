@@ -6,6 +6,7 @@ import asyncio
 import ray
 from ray.exceptions import RayActorError
 
+from actors.metrics import MonitorMetrics
 from actors.refs import SampleRef, as_handles
 from april_ray.config import RolloutConfig
 from april_ray.rollout.monitor import CompletionMonitor, EngineFailure
@@ -49,15 +50,18 @@ class RayEnginePool:
 class CompletionMonitorActor:
     def __init__(self, cfg: RolloutConfig, engines, capacities: list[int], source, store):
         self.monitor = CompletionMonitor(cfg, RayEnginePool(engines, capacities), RayProxy(source), RayProxy(store))
+        self.metrics = MonitorMetrics(cfg.partial_rollout, len(engines))
 
     async def step(self, step: int, version: int):
         result = await self.monitor.step(step, version)
         # Groups carried over from the store (after a monitor restart) hold values: give them handles too.
         result.groups = as_handles(result.groups)
         result.dropped_groups = as_handles(result.dropped_groups)
+        self.metrics.record(result.metrics, result.staleness, self.monitor.alive)
         return result
 
     async def counters(self) -> dict:
+        self.metrics.engines_seen(self.monitor.alive)
         return {"returned_groups": self.monitor.num_returned_groups,
                 "dropped_groups": self.monitor.num_dropped_groups, "alive_engines": self.monitor.alive}
 

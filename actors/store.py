@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ray
 
+from actors.metrics import StoreMetrics
 from actors.refs import fetch
 from april_ray.config import StalenessConfig
 from april_ray.rollout.store import PartialRolloutStore, resolve_groups
@@ -23,6 +24,7 @@ def _fetch(groups):
 class StoreActor:
     def __init__(self, staleness: StalenessConfig):
         self.store = PartialRolloutStore(staleness.max_versions, staleness.policy)
+        self.metrics = StoreMetrics()
 
     def put_partial(self, groups) -> None:
         self.store.put_partial(_fetch(groups))
@@ -40,7 +42,10 @@ class StoreActor:
         return len(self.store)
 
     def stats(self, version: int) -> dict:
-        return self.store.stats(version)
+        """The store's statistics at policy `version` (the driver asks once per step), also as metrics."""
+        stats = self.store.stats(version)
+        self.metrics.record(stats)
+        return stats
 
     def state_dict(self) -> dict:
         return self.store.state_dict()

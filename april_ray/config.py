@@ -271,6 +271,10 @@ class PlacementConfig:
 class LoggingConfig:
     wandb_mode: str = one_of("offline", "offline", "online", "disabled")
     project: str = "april-ray"
+    dashboard: bool = True
+    """A local run (no RAY_ADDRESS) starts Ray's dashboard on 127.0.0.1; a joined cluster keeps its own."""
+    dashboard_port: int = non_negative(0)
+    """The local dashboard's port; 0: Ray's default, 8265 or the next free one after it."""
 
 
 @dataclass

@@ -37,8 +37,8 @@ class EngineGroup:
             EngineWorkerActor.options(
                 **actor_resources(layout, b),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
-            ).remote(cfg.engine, cfg.sampling, cfg.staleness, cfg.task.name, str(model_path), version)
-            for b in layout.engine_bundles
+            ).remote(cfg.engine, cfg.sampling, cfg.staleness, cfg.task.name, str(model_path), version, index)
+            for index, b in enumerate(layout.engine_bundles)
         ]
         ray.get([e.stats.remote() for e in actors])  # loaded and serving
         return cls(actors, [cfg.engine.max_num_seqs] * len(actors), pg, layout)

@@ -12,7 +12,7 @@ for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_EN
                    "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(key, value)
 
-from april_ray.config import Config, ConfigError, add_config_args, config_from_args  # noqa: E402
+from april_ray.config import Config, ConfigError, LoggingConfig, add_config_args, config_from_args  # noqa: E402
 
 
 def parse(description: str, extra=None) -> tuple[Config, argparse.Namespace]:
@@ -27,11 +27,12 @@ def parse(description: str, extra=None) -> tuple[Config, argparse.Namespace]:
         parser.error(str(e))
 
 
-def init_ray(layout, address: str | None = None) -> None:
+def init_ray(layout, logging: LoggingConfig | None = None, address: str | None = None) -> None:
     """Join the cluster when there is one (`ray job submit`, RAY_ADDRESS), else start a local one.
 
     A local cluster gets enough logical CPUs for every bundle of the job's placement group (plus one
-    for the driver-side actors), even on a 2-core laptop: the processes share the cores."""
+    for the driver-side actors), even on a 2-core laptop: the processes share the cores. With `logging`
+    and `logging.dashboard`, it runs Ray's dashboard on 127.0.0.1 (`logging.dashboard_port`)."""
     import ray
 
     address = address or os.environ.get("RAY_ADDRESS")
@@ -39,7 +40,10 @@ def init_ray(layout, address: str | None = None) -> None:
         ray.init(address=address)
         return
     need = sum(b.get("CPU", 0) for b in layout.bundles) + 1
-    ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False)
+    dashboard = logging is not None and logging.dashboard
+    # ray.init logs the dashboard's address ("View the dashboard at ...")
+    ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=dashboard,
+             dashboard_host="127.0.0.1", dashboard_port=(logging.dashboard_port or None) if dashboard else None)
 
 
 def write_result(path: str | None, result: dict) -> None:

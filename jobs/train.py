@@ -17,6 +17,7 @@ from pathlib import Path
 import ray
 
 from jobs.common import init_ray, parse, write_result
+from actors.metrics import DriverMetrics
 from april_ray.config import to_yaml
 from april_ray.tracking import Tracker
 from driver.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
@@ -40,7 +41,7 @@ def train(cfg) -> dict:
     (out / "config.yaml").write_text(to_yaml(cfg))
     job = prepare(cfg)  # model, data and placement plan, once
     if not ray.is_initialized():
-        init_ray(job.layout)
+        init_ray(job.layout, cfg.logging)
 
     engines = EngineGroup.start(cfg, job.model_path, job.layout)
     rollout = RolloutGroup.start(cfg, job.model_path, job.train_path, engines)
@@ -53,6 +54,8 @@ def train(cfg) -> dict:
         start, version = restore_checkpoint(ckpt, learners, rollout, engines)
         print(f"resumed from {ckpt}: step {start}, policy version {version}")
     before = evaluator.run()
+    exported = DriverMetrics(cfg.rollout.partial_rollout)  # Ray's metrics (actors/metrics.py)
+    exported.record_eval(before)
     tracker = Tracker(cfg, out, cfg.train.num_steps, start, resume=ckpt is not None)
     tracker.bar.write(f"held-out accuracy before: {json.dumps(before)}")
     t0 = time.perf_counter()
@@ -63,19 +66,28 @@ def train(cfg) -> dict:
         t_step = time.perf_counter()
         batch = ray.get(rollout.monitor.step.remote(step, version))      # APRIL rollout, refs only
         metrics = batch.metrics | staleness_metrics(batch.staleness) | engines.occupancy_metrics()
+        t_learn = time.perf_counter()
         metrics |= learners.train(batch.groups, version)                 # ranks fetch their own shares
         version += 1
+        t_sync = time.perf_counter()
         learners.publish(engines, version)                                # engines adopt the new weights
+        phases = {"rollout": t_learn - t_step, "learner": t_sync - t_learn,
+                  "weight_sync": time.perf_counter() - t_sync}
         train_s += time.perf_counter() - t_step
         if (step + 1) % cfg.train.eval_every == 0:
+            t_eval = time.perf_counter()
             metrics |= evaluator.run()
+            phases["eval"] = time.perf_counter() - t_eval
+            exported.record_eval(metrics)
             history.append((train_s, metrics["eval/accuracy_t1"]))
+        exported.record_step(step + 1, phases, metrics["rollout/reward_mean"])
         if (step + 1) % cfg.train.save_every == 0:
             save_checkpoint(out, step, version, learners, rollout)
         metrics |= ray.get(rollout.store.stats.remote(version))
         tracker.log(step, metrics | {"train/version": version, "time/wall_s": time.perf_counter() - t0})
 
     after = evaluator.run()
+    exported.record_eval(after)
     if step >= start and (step + 1) % cfg.train.save_every:
         save_checkpoint(out, step, version, learners, rollout)
     tracker.log(max(step, 0) + 1, after, advance=False)

@@ -258,6 +258,15 @@ def test_grafana_dashboard_layout():
     assert "_bucket" in stale["targets"][0]["expr"] and "by (le)" in stale["targets"][0]["expr"]
 
 
+def test_the_metrics_module_defines_exactly_these_metrics():
+    from ray.util.metrics import Counter, Gauge, Histogram
+
+    from actors.metrics import METRICS as DEFINED
+
+    kinds = {Gauge: "gauge", Counter: "counter", Histogram: "histogram"}
+    assert {name: kinds[kind] for name, (kind, _, _) in DEFINED.items()} == METRICS
+
+
 def test_metric_check_rejects_an_unknown_or_unprefixed_name():
     with pytest.raises(AssertionError, match="ray_ prefix"):
         metric_names("max(april_step)")

@@ -1,0 +1,182 @@
+"""The job's metrics in Ray's metrics system (`ray.util.metrics`): every name, kind and tag is in `METRICS`.
+
+Each metric is recorded by the process that owns what it measures, once per step and never per token:
+an engine actor (occupancy, idle share, tokens/s, token counters, policy version) when the driver drains
+its statistics after a rollout, the store actor (its partial groups, its oldest sample) when asked for
+its statistics, the monitor actor (abort latency, off-policy ratio, staleness of the trained batch, engine
+crashes) after each rollout, and the driver (step phase times, reward, held-out accuracy, step). Every Ray
+node serves them on its metrics export port with Ray's `ray_` prefix (`ray_april_engine_occupancy`, ...);
+cluster/grafana/april_dashboard.json charts them (cluster/README.md). `mode` is `april` or `sync`.
+"""
+from __future__ import annotations
+
+import time
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+ABORT_LATENCY_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+# Ray's boundaries must be positive: the bucket le=k+0.5 holds the tokens k policy versions old.
+STALENESS_VERSIONS = [0.5, 1.5, 2.5, 3.5, 4.5, 6.5, 8.5, 16.5, 32.5]
+STALENESS_OBSERVATIONS = 1000
+
+METRICS = {  # name: (kind, tag keys, description)
+    "april_engine_occupancy": (Gauge, ("engine",), "Running rows / max_num_seqs, mean over the engine steps of the last rollout"),
+    "april_engine_bubble_fraction": (Gauge, ("engine",), "Idle share of the engine's last rollout, from its first call of the step to its last result"),
+    "april_engine_tokens_per_s": (Gauge, ("engine",), "Tokens generated per second of the engine's last rollout"),
+    "april_engine_weight_version": (Gauge, ("engine",), "Policy version of the weights the engine samples with"),
+    "april_engine_prefill_tokens_total": (Counter, ("engine",), "Prompt and resumed tokens prefilled"),
+    "april_engine_reused_kv_tokens_total": (Counter, ("engine",), "Prefill tokens skipped: a resumed sample found its parked KV cache"),
+    "april_engine_generated_tokens_total": (Counter, ("engine",), "Tokens sampled"),
+    "april_engine_crashes_total": (Counter, ("engine",), "Engine deaths the monitor saw (their samples were re-dispatched)"),
+    "april_abort_latency_seconds": (Histogram, ("mode",), "From the N-th completed group to every engine call resolved, per step"),
+    "april_store_partial_groups": (Gauge, (), "Groups with interrupted samples waiting in the partial-rollout store"),
+    "april_store_oldest_age_versions": (Gauge, (), "Policy versions behind the current one, of the oldest token in the store"),
+    "april_rollout_off_policy_token_ratio": (Gauge, ("mode",), "Share of the last trained batch's tokens sampled by an older policy"),
+    "april_trained_token_staleness_versions": (Histogram, ("mode",), "Trained tokens by age in policy versions: 1000 observations a step, each age observed in proportion to its share of the batch's tokens"),
+    "april_step_phase_seconds": (Gauge, ("phase",), "Seconds of the last step in each phase: rollout, learner, weight_sync, eval"),
+    "april_reward_mean": (Gauge, ("mode",), "Mean reward of the last trained batch"),
+    "april_eval_accuracy": (Gauge, ("kind",), "Held-out accuracy of the last evaluation: t1 (temperature 1) or greedy"),
+    "april_step": (Gauge, (), "Training steps completed"),
+}
+BOUNDARIES = {"april_abort_latency_seconds": ABORT_LATENCY_S,
+              "april_trained_token_staleness_versions": STALENESS_VERSIONS}
+
+
+def metric(name: str):
+    """The Ray metric `name` of `METRICS` (each process that records it makes its own)."""
+    kind, tag_keys, description = METRICS[name]
+    if kind is Histogram:
+        return Histogram(name, description, boundaries=BOUNDARIES[name], tag_keys=tag_keys)
+    return kind(name, description, tag_keys=tag_keys)
+
+
+def mode_of(partial_rollout: bool) -> str:
+    return "april" if partial_rollout else "sync"
+
+
+class EngineMetrics:
+    """An engine actor's metrics. Its window for the step opens at the step's first call and ends with its
+    last result; `record` closes it when the driver drains the engine's statistics after the rollout."""
+
+    def __init__(self, engine: int, capacity: int):
+        self.tags = {"engine": str(engine)}
+        self.capacity = capacity
+        self.gauges = {k: metric(f"april_engine_{k}") for k in ("occupancy", "bubble_fraction", "tokens_per_s",
+                                                                 "weight_version")}
+        self.counters = {k: metric(f"april_engine_{k}_tokens_total") for k in ("prefill", "reused_kv", "generated")}
+        self.counted = {k: 0 for k in self.counters}
+        self.window: list[float] | None = None  # [start, end, engine busy_s at start, tokens at start]
+
+    def call_started(self, engine_stats) -> None:
+        """`engine_stats(drain=False)` is read only by the step's first call, which opens the window."""
+        if self.window is None:
+            now, stats = time.perf_counter(), engine_stats(drain=False)
+            self.window = [now, now, stats.busy_s, stats.num_generated_tokens]
+
+    def call_ended(self) -> None:
+        if self.window is not None:
+            self.window[1] = time.perf_counter()
+
+    def set_version(self, version: int) -> None:
+        self.gauges["weight_version"].set(version, tags=self.tags)
+
+    def record(self, stats) -> None:
+        """At each drain of the engine's statistics (`april_ray.types.EngineStats`): the counters, and the
+        gauges of the rollout when one ran since the last drain (the driver drains after each rollout;
+        the evaluator drains after an evaluation, which no rollout gauge describes)."""
+        if self.window is not None:
+            occ = [n / self.capacity for _, n in stats.occupancy]
+            self.gauges["occupancy"].set(sum(occ) / len(occ) if occ else 0.0, tags=self.tags)
+            start, end, busy0, tokens0 = self.window
+            wall = max(end - start, 1e-9)
+            self.gauges["bubble_fraction"].set(min(1.0, max(0.0, 1 - (stats.busy_s - busy0) / wall)), tags=self.tags)
+            self.gauges["tokens_per_s"].set((stats.num_generated_tokens - tokens0) / wall, tags=self.tags)
+            self.window = None
+        totals = {"prefill": stats.num_prefill_tokens, "reused_kv": stats.num_reused_tokens,
+                  "generated": stats.num_generated_tokens}
+        for key, total in totals.items():
+            if total > self.counted[key]:
+                self.counters[key].inc(total - self.counted[key], tags=self.tags)
+            self.counted[key] = total
+        self.set_version(stats.version)
+
+
+class StoreMetrics:
+    """The partial-rollout store actor's, from its `stats(version)`."""
+
+    def __init__(self):
+        self.partial_groups = metric("april_store_partial_groups")
+        self.oldest_age = metric("april_store_oldest_age_versions")
+
+    def record(self, stats: dict) -> None:
+        self.partial_groups.set(stats["store/groups"])
+        self.oldest_age.set(stats["store/max_age"])
+
+
+def permille(hist: dict[int, int]) -> dict[int, int]:
+    """Each key's share of the counts in thousandths, rounded by largest remainder: they sum to 1000."""
+    total = sum(hist.values())
+    if total <= 0:
+        return {}
+    exact = {k: STALENESS_OBSERVATIONS * n / total for k, n in hist.items() if n > 0}
+    out = {k: int(x) for k, x in exact.items()}
+    short = STALENESS_OBSERVATIONS - sum(out.values())
+    for k in sorted(exact, key=lambda k: out[k] - exact[k])[:short]:
+        out[k] += 1
+    return {k: n for k, n in out.items() if n}
+
+
+class MonitorMetrics:
+    """The completion monitor actor's, from a step's result and the engines it still has."""
+
+    def __init__(self, partial_rollout: bool, num_engines: int):
+        self.mode = {"mode": mode_of(partial_rollout)}
+        self.aborts = partial_rollout  # the synchronous baseline never aborts
+        self.abort_latency = metric("april_abort_latency_seconds")
+        self.off_policy = metric("april_rollout_off_policy_token_ratio")
+        self.staleness = metric("april_trained_token_staleness_versions")
+        self.crashes = metric("april_engine_crashes_total")
+        self.alive = [True] * num_engines
+
+    def record(self, metrics: dict, staleness: dict[int, int], alive: list[bool]) -> None:
+        if self.aborts:
+            self.abort_latency.observe(metrics["rollout/abort_latency_s"], tags=self.mode)
+        self.off_policy.set(metrics["rollout/off_policy_token_ratio"], tags=self.mode)
+        # a fixed number of observations a step, not one per token: the same shape at any batch size
+        for age, n in permille(staleness).items():
+            for _ in range(n):
+                self.staleness.observe(age, tags=self.mode)
+        self.engines_seen(alive)
+
+    def engines_seen(self, alive: list[bool]) -> None:
+        """Counts a crash of each engine seen dead that was last seen alive. The actor looks at the end of
+        each step and whenever the driver asks which engines are alive (it does before it hands a
+        restarted engine back), so a crash is seen even when the engine is back within the step."""
+        for engine, (was, now) in enumerate(zip(self.alive, alive)):
+            if was and not now:
+                self.crashes.inc(1, tags={"engine": str(engine)})
+        self.alive = list(alive)
+
+
+class DriverMetrics:
+    """The driver's: phase times, reward and step after each step, accuracy after each evaluation."""
+
+    PHASES = ("rollout", "learner", "weight_sync", "eval")
+
+    def __init__(self, partial_rollout: bool):
+        self.mode = {"mode": mode_of(partial_rollout)}
+        self.phase = metric("april_step_phase_seconds")
+        self.reward = metric("april_reward_mean")
+        self.accuracy = metric("april_eval_accuracy")
+        self.step = metric("april_step")
+
+    def record_step(self, steps_done: int, phases: dict[str, float], reward: float) -> None:
+        for phase in self.PHASES:  # a phase that did not run this step is 0: the stack is the step's time
+            self.phase.set(phases.get(phase, 0.0), tags={"phase": phase})
+        self.reward.set(reward, tags=self.mode)
+        self.step.set(steps_done)
+
+    def record_eval(self, metrics: dict) -> None:
+        for kind in ("t1", "greedy"):
+            if f"eval/accuracy_{kind}" in metrics:
+                self.accuracy.set(metrics[f"eval/accuracy_{kind}"], tags={"kind": kind})

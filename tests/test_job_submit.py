@@ -1,0 +1,139 @@
+"""`ray job submit` end to end, as a user runs it: a head started with `ray start --head` on 127.0.0.1,
+the training job submitted through the job API with the repository as its working_dir, its summary and
+plain-line log, and the `april_` metrics on the node's Prometheus endpoint while it runs."""
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from actors.metrics import METRICS, permille
+from april_ray.tracking import LineProgress, progress
+
+ROOT = Path(__file__).resolve().parents[1]
+# what the acceptance names: occupancy, store age, off-policy ratio and step time
+REQUIRED = {"ray_april_engine_occupancy", "ray_april_store_oldest_age_versions",
+            "ray_april_rollout_off_policy_token_ratio", "ray_april_step_phase_seconds"}
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def get(url: str, timeout: float = 5) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def served_april_metrics(port: int) -> set[str]:
+    """Names of the `ray_april_*` series the node's metrics endpoint serves now."""
+    text = get(f"http://127.0.0.1:{port}/metrics")
+    return {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"^(ray_april_\w+)[{ ]", text, re.M)}
+
+
+@pytest.fixture
+def head(tmp_path):
+    """A local head like `ray start --head`, on free ports and its own temp dir (so no other ray.init() on
+    this machine finds it). `--block` keeps the command in the foreground; stopping it stops its
+    processes (Ray's reaper), so this ends only what it started: no `ray stop`, which ends every Ray on
+    the machine."""
+    gcs, dashboard, metrics, agent, client = free_ports(5)
+    temp_dir = tempfile.mkdtemp(prefix="rayjs", dir="/tmp")  # short: Ray's socket paths have a length limit
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_metrics_report_interval_ms": "1000",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+           f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+           f"--metrics-export-port={metrics}", f"--dashboard-agent-listen-port={agent}",
+           f"--ray-client-server-port={client}", f"--temp-dir={temp_dir}", "--num-cpus=8"]
+    log = open(tmp_path / "ray_start.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 240  # minutes on a loaded machine, seconds alone
+        while True:
+            assert proc.poll() is None, (tmp_path / "ray_start.log").read_text()[-3000:]
+            try:
+                get(f"http://127.0.0.1:{dashboard}/api/version")
+                break
+            except OSError:
+                assert time.time() < deadline, "the dashboard did not come up"
+                time.sleep(1)
+        yield {"dashboard": dashboard, "metrics": metrics}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the process group of the command this fixture started
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_ray_job_submit_runs_training_and_serves_metrics(head, tmp_path):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    summary_path = tmp_path / "summary.json"
+    entrypoint = ("python -m jobs.train --config configs/tiny_cpu.yaml train.num_steps=3 train.eval_every=2 "
+                  "task.num_eval=32 rollout.rollout_batch_size=4 rollout.over_sampling_batch_size=6 "
+                  "rollout.n_samples_per_prompt=4 sampling.max_response_len=64 learner.backend=torch "
+                  "logging.wandb_mode=disabled "
+                  f"train.output_dir={tmp_path}/out --summary {summary_path}")
+    client = JobSubmissionClient(f"http://127.0.0.1:{head['dashboard']}")
+    job = client.submit_job(entrypoint=entrypoint, runtime_env={
+        "working_dir": str(ROOT), "excludes": [".venv", "outputs", ".git", ".pytest_cache", "*.egg-info", "__pycache__"]})
+    seen: set[str] = set()
+    deadline = time.time() + 480
+    while (status := client.get_job_status(job)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
+        assert time.time() < deadline, f"job still {status}:\n{client.get_job_logs(job)[-3000:]}"
+        seen |= served_april_metrics(head["metrics"])
+        time.sleep(0.5)
+    logs = client.get_job_logs(job)
+    assert status == JobStatus.SUCCEEDED, logs[-4000:]
+    seen |= served_april_metrics(head["metrics"])
+
+    summary = json.loads(summary_path.read_text())
+    assert summary["steps"] == 3 and summary["final_version"] == 3
+    assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
+    assert "\r" not in logs, "a progress bar's carriage returns in the job log"
+    assert re.search(r"^april-ray step 3/3 \[\d+s\] .*reward=", logs, re.M), logs[-2000:]
+    assert REQUIRED <= seen, f"missing on the metrics endpoint: {REQUIRED - seen}; seen {sorted(seen)}"
+    # and every other one, but the crash counter: no engine died
+    assert seen == {f"ray_{name}" for name in METRICS} - {"ray_april_engine_crashes_total"}, sorted(seen)
+
+
+def test_staleness_shares_in_thousandths_sum_to_1000():
+    assert permille({0: 5, 1: 3, 2: 0, 4: 1}) == {0: 556, 1: 333, 4: 111}
+    assert permille({0: 1, 1: 1, 2: 1}) in ({0: 334, 1: 333, 2: 333}, {0: 333, 1: 334, 2: 333},
+                                            {0: 333, 1: 333, 2: 334})
+    assert permille({0: 999_999, 7: 1}) == {0: 1000}  # a share under half a thousandth rounds away
+    assert permille({}) == {} and permille({3: 0}) == {}
+
+
+def test_progress_is_plain_lines_without_a_terminal(capsys):
+    bar = LineProgress(total=2, desc="april-ray")
+    bar.set_postfix({"reward": "0.25"}, refresh=False)
+    bar.update()
+    bar.set_postfix({"reward": "0.5", "acc": "0.4"}, refresh=False)
+    bar.update()
+    bar.set_postfix({"acc": "0.41"})
+    lines = capsys.readouterr().out.splitlines()
+    assert [re.sub(r"\[\d+s\]", "[t]", line) for line in lines] == [
+        "april-ray step 1/2 [t] reward=0.25", "april-ray step 2/2 [t] reward=0.5 acc=0.4", "april-ray done [t] acc=0.41"]
+    assert progress(3).__class__ is LineProgress  # pytest's stderr is not a terminal
