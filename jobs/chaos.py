@@ -208,7 +208,10 @@ def main() -> None:
         except ImportError as e:
             raise SystemExit(f"--driver-kills needs jobs/chaos_driver.py (run_driver_kills), which is not "
                              f"importable here: {e}")
-        result |= run_driver_kills(cfg, args)
+        driver = run_driver_kills(cfg, args)
+        ok = result.get("ok", True) and driver.get("ok", True)
+        result |= driver  # with both modes, the shared keys (steps, steps_completed) are the driver run's
+        result["ok"] = ok
     write_result(args.json, result)
     if not result.get("ok", True):
         raise SystemExit(1)
