@@ -1,0 +1,57 @@
+"""The training job over HTTP on a local Ray (configs/tiny_cpu_http.yaml): engine actors start our engine's
+server and drive it with the SGLang client, and the learner broadcasts weights into the servers over gloo;
+and an SGLang server asked for on a cluster without GPUs fails at once."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
+         "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24", "engine.max_model_len=64",
+         "algorithm.overlong_buffer=8", "learner.lr=1e-3", "logging.wandb_mode=offline", "logging.dashboard=false"]
+
+
+def train(tmp_path, model_dir, *overrides, timeout=900):
+    cmd = [sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu_http.yaml", f"model.path={model_dir}",
+           f"model.cache_dir={tmp_path}", f"train.output_dir={tmp_path}/out", *SMALL, *overrides,
+           "--summary", f"{tmp_path}/summary.json"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True,
+                          timeout=timeout)
+    return proc
+
+
+def test_training_over_http_with_weights_broadcast_into_the_servers(tmp_path, random_model_dir):
+    """The learner broadcasts the weights into both servers after each step, and each step's rollout runs
+    on the previous step's weights, under their version (tests/test_zero3_gather.py gathers with two ranks)."""
+    proc = train(tmp_path, random_model_dir, "train.num_steps=3", "train.eval_every=2", "train.save_every=3")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["final_version"] == 3
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/version" in r]
+    assert [r["train/version"] for r in steps] == [1, 2, 3]
+    assert [r["engine/version_min"] for r in steps] == [0, 1, 2]
+    assert all(r["rollout/generated_tokens"] > 0 for r in steps)
+    out = tmp_path / "out"
+    trained = load_file(out / (out / "latest").read_text().strip() / "policy" / "model.safetensors")
+    initial = load_file(Path(random_model_dir) / "model.safetensors")
+    assert any(not (trained[k] == initial[k]).all() for k in initial if k in trained)
+
+
+def test_sglang_server_on_a_cluster_without_gpus_fails_at_once(tmp_path, random_model_dir):
+    t0 = time.perf_counter()
+    proc = train(tmp_path, random_model_dir, "train.num_steps=1", "engine.server=sglang", "placement.engine_gpus=1",
+                 timeout=300)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode != 0
+    err = proc.stderr[-3000:]
+    assert "asks for" in err and "'GPU': 2.0" in err and "has no GPU" in err and "'CPU'" in err, err
+    assert elapsed < 120  # Ray's start and the model check; not the 300 s placement wait
