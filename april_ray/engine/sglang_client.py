@@ -128,6 +128,9 @@ class SGLangEngine:
         self._track(request.request_id, rid)
         try:
             reply = await self.request("POST", "/generate", body)
+        except asyncio.CancelledError:  # the caller gave up (e.g. ray.cancel): free the server's slot too
+            self._background(self.request("POST", "/abort_request", {"rid": rid}))
+            raise
         finally:
             self._track(request.request_id, None)
         return self._output(request.request_id, reply)

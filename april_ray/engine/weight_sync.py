@@ -20,13 +20,15 @@ import base64
 import contextlib
 import io
 import pickle
+import shutil
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from multiprocessing.reduction import ForkingPickler
 
 from april_ray.engine.sglang_server import free_port
 
@@ -262,9 +264,6 @@ async def send_tensors(client, named: list[tuple[str, torch.Tensor]], version: i
 def save_for_disk_update(named: list[tuple[str, torch.Tensor]], out_dir: str, base_model_dir: str) -> None:
     """Write the weights as one safetensors file next to the base model's config files (a real SGLang
     server reads the config too). Tied tensors are written once, as safetensors requires."""
-    import shutil
-    from pathlib import Path
-
     from safetensors.torch import save_file
 
     out, seen, tensors = Path(out_dir), set(), {}

@@ -216,8 +216,9 @@ def main() -> None:
     n = cfg.rollout.rollout_batch_size
     modes = [Mode("sync", with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n), job, engines),
              Mode("april", with_rollout(cfg, partial_rollout=True), job, engines)]
-    if cfg.engine.park_slots and cfg.engine.reuse_stale_kv:
-        # Ablation in the same run: APRIL with every resume re-prefilled, as in slime and AReaL.
+    if cfg.engine.backend == "cpu" and cfg.engine.park_slots and cfg.engine.reuse_stale_kv:
+        # Ablation in the same run: APRIL with every resume re-prefilled, as in slime and AReaL (the in-actor
+        # engine's switch; an HTTP server has no such switch in SGLang's API).
         modes.append(Mode("april_recompute", with_rollout(cfg, partial_rollout=True), job, engines,
                           kv_reuse=False))
     results = run_interleaved(modes, engines, weights_ref, args.steps, args.warmup_steps, probe, args.probe_every)
