@@ -22,7 +22,7 @@ class RolloutGroup:
     def start(cls, cfg: Config, model_path: str, train_path: str, engines) -> "RolloutGroup":
         source = PromptSourceActor.remote(train_path, cfg.task.prompt_key, cfg.task.answer_key, str(model_path),
                                           cfg.rollout.n_samples_per_prompt, cfg.sampling.max_response_len,
-                                          cfg.task.seed)
+                                          cfg.task.seed + 7919 * cfg.train.seed)  # the prompt order
         store = StoreActor.remote(cfg.staleness)
         monitor = CompletionMonitorActor.remote(cfg.rollout, engines.actors, engines.capacities, source, store)
         return cls(source, store, monitor)

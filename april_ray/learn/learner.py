@@ -219,6 +219,7 @@ class Learner:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU weights for the engines (under ZeRO-3, every rank must call this: it gathers)."""
         return self.optim.full_state_dict()
+
     def save(self, path: str | Path, tokenizer_dir: str | None = None) -> None:
         path = Path(path)
         weights = self.state_dict()  # every rank takes part in gathering

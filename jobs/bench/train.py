@@ -1,14 +1,24 @@
-"""Training benchmark: the synchronous baseline and APRIL, same seed and config, in one run.
+"""Training benchmark: the synchronous baseline and APRIL (at one or several N'/N) over several seeds.
 
-    python -m jobs.bench.train --json PATH [--target ACC] [key=value ...]
+    python -m jobs.bench.train --config configs/tiny_cpu.yaml --seeds K --json PATH [--factors 1,1.5,2,3]
+        [--target ACC | --gain G] [--budgets S1,S2,...] [key=value ...]
 
-Reports for each mode the training wall time (rollout + train + weight sync; evaluation excluded) until
-held-out accuracy (temperature 1.0) first reaches the target, and the final accuracy. The target
-defaults to the warm-up model's accuracy plus `--gain`.
+For each seed the modes' jobs run one after the other (round-robin by seed: sync, APRIL, APRIL at each
+factor, then the next seed), so a machine whose load drifts slows every mode alike. A seed sets
+`train.seed` (learner, prompt order) and `engine.seed` (sampling); the data and the warm-up model stay.
+Times are training wall time (rollout + learner + weight sync; evaluation excluded). Per mode it reports
+the median and range over seeds of: time to the target accuracy (a seed that never reaches it counts its
+whole wall), held-out accuracy at wall-clock budgets and at each evaluated step, final accuracy (sampled
+and greedy), the off-policy token ratio, staleness (mean, max, histogram) and the step's phase times.
+The target defaults to the mean accuracy before training plus `--gain`; `eval_standard_error` is one
+evaluation's sampling noise at that accuracy, sqrt(p (1 - p) / task.num_eval).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import statistics
 from pathlib import Path
 
 from jobs.common import init_ray, parse, write_result
@@ -20,30 +30,155 @@ def time_to(history: list[tuple[float, float]], target: float) -> float | None:
     return next((t for t, acc in history if acc >= target), None)
 
 
+def accuracy_at(history: list[tuple[float, float]], budget_s: float) -> float:
+    """The last evaluation taken within `budget_s` of training time."""
+    return [acc for t, acc in history if t <= budget_s][-1]
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def mode_configs(cfg, factors: list[float]) -> dict[str, object]:
+    """sync (N' = N, no partial rollouts), APRIL as configured, and APRIL at N' = factor x N per factor."""
+    n = cfg.rollout.rollout_batch_size
+
+    def with_rollout(**kw):
+        return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **kw))
+
+    modes = {"sync": with_rollout(partial_rollout=False, over_sampling_batch_size=n),
+             "april": with_rollout(partial_rollout=True)}
+    for f in factors:
+        if max(n, round(f * n)) != cfg.rollout.over_sampling_batch_size:  # else it is `april`'s run
+            modes[f"april_{f:g}"] = with_rollout(partial_rollout=True, over_sampling_batch_size=max(n, round(f * n)))
+    return modes
+
+
+def configured_factor(cfg, factors: list[float]) -> str | None:
+    """The `april_<factor>` key that names APRIL as configured, when --factors lists its N'/N."""
+    n = cfg.rollout.rollout_batch_size
+    return next((f"april_{f:g}" for f in factors if max(n, round(f * n)) == cfg.rollout.over_sampling_batch_size), None)
+
+
+def seeded(cfg, mode: str, seed: int, base: Path):
+    return dataclasses.replace(
+        cfg, engine=dataclasses.replace(cfg.engine, seed=cfg.engine.seed + seed),
+        train=dataclasses.replace(cfg.train, seed=seed, resume=False, output_dir=str(base / mode / f"seed{seed}")))
+
+
+def run_record(summary: dict, eval_every: int) -> dict:
+    """What the bench keeps of one job: its summary, and per-step averages from its metrics.jsonl."""
+    rows = [json.loads(line) for line in (Path(summary["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/version" in r]
+    hist: dict[str, float] = {}
+    for r in steps:
+        for k, v in r.items():
+            if k.startswith("rollout/staleness_hist/"):
+                hist[k.rsplit("/", 1)[1]] = hist.get(k.rsplit("/", 1)[1], 0.0) + v / len(steps)
+    evals = [r.get("eval/accuracy_greedy") for r in rows if "eval/accuracy_t1" in r]
+
+    def mean(key):
+        return sum(r.get(key, 0.0) for r in steps) / max(1, len(steps))
+
+    eval_steps = [0] + [eval_every * (i + 1) for i in range(len(summary["history"]) - 2)] + [summary["steps"]]
+    return {"history": summary["history"], "eval_steps": eval_steps, "train_s": summary["train_s"],
+            "steps": summary["steps"], "accuracy_before": summary["accuracy_before"],
+            "final_accuracy": summary["accuracy_after"], "final_accuracy_greedy": summary["accuracy_after_greedy"],
+            "greedy_history": evals, "off_policy_token_ratio": mean("rollout/off_policy_token_ratio"),
+            "staleness_mean": mean("rollout/staleness_mean"),
+            "staleness_max": max((r.get("rollout/staleness_max", 0) for r in steps), default=0),
+            "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+            "phase_s_per_step": {k: mean(f"time/{k}") for k in ("rollout_s", "learner_s", "weight_sync_s")}}
+
+
+def summarize(runs: dict[str, list[dict]], target: float, budgets: list[float]) -> dict:
+    """Per mode: the per-seed lists the JSON promises and their medians and ranges."""
+    out = {}
+    for mode, recs in runs.items():
+        ttt = [time_to(r["history"], target) or r["train_s"] for r in recs]
+        final = [r["final_accuracy"] for r in recs]
+        by_step = {}
+        for r in recs:
+            for step, (_, acc) in zip(r["eval_steps"], r["history"]):
+                by_step.setdefault(step, []).append(acc)
+        out[mode] = {
+            "time_to_target_s": ttt, "time_to_target_median_s": statistics.median(ttt),
+            "time_to_target": spread(ttt),
+            "reached_target": [time_to(r["history"], target) is not None for r in recs],
+            "final_accuracy": final, "final_accuracy_median": statistics.median(final),
+            "final_accuracy_range": spread(final),
+            "final_accuracy_greedy": [r["final_accuracy_greedy"] for r in recs],
+            "accuracy_at_budget": {f"{b:g}": spread([accuracy_at(r["history"], b) for r in recs]) for b in budgets},
+            "accuracy_by_step": {str(s): statistics.median(a) for s, a in sorted(by_step.items())},
+            "train_s": spread([r["train_s"] for r in recs]),
+            "step_s": spread([r["train_s"] / max(1, r["steps"]) for r in recs]),
+            "phase_s_per_step": {k: statistics.median(r["phase_s_per_step"][k] for r in recs)
+                                 for k in recs[0]["phase_s_per_step"]},
+            "off_policy_token_ratio": spread([r["off_policy_token_ratio"] for r in recs]),
+            "staleness_mean": spread([r["staleness_mean"] for r in recs]),
+            "staleness_max": max(r["staleness_max"] for r in recs),
+            "staleness_hist": {age: statistics.mean(r["staleness_hist"].get(age, 0.0) for r in recs)
+                               for age in sorted({a for r in recs for a in r["staleness_hist"]}, key=int)},
+            "runs": recs,
+        }
+    return out
+
+
+def report(seeds: list[int], target: float, num_eval: int, runs: dict[str, list[dict]],
+           budgets: list[float]) -> dict:
+    result = {"seeds": seeds, "target_accuracy": target,
+              "eval_standard_error": math.sqrt(target * (1 - target) / num_eval), "budgets_s": budgets}
+    result |= summarize(runs, target, budgets)
+    sync_t = result["sync"]["time_to_target_median_s"]
+    for mode in runs:
+        if mode.startswith("april"):
+            key = "speedup" if mode == "april" else f"speedup_{mode[len('april_'):]}"
+            result[key] = sync_t / result[mode]["time_to_target_median_s"]
+    return result
+
+
+def table(result: dict) -> str:
+    lines = ["| mode | time to target (s), median [min, max] | final acc., median [min, max] | step (s) | off-policy |",
+             "| --- | --- | --- | --- | --- |"]
+    for mode, m in result.items():
+        if isinstance(m, dict) and "time_to_target" in m:
+            t, f = m["time_to_target"], m["final_accuracy_range"]
+            lines.append(f"| {mode} | {t['median']:.0f} [{t['min']:.0f}, {t['max']:.0f}] | {f['median']:.3f} "
+                         f"[{f['min']:.3f}, {f['max']:.3f}] | {m['step_s']['median']:.2f} | "
+                         f"{m['off_policy_token_ratio']['median']:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     def extra(p):
         p.add_argument("--json", required=True)
+        p.add_argument("--seeds", type=int, default=3, help="seeds 0..K-1, each runs every mode")
+        p.add_argument("--factors", default="", help="also APRIL at these N'/N, e.g. 1,1.5,2,3")
         p.add_argument("--target", type=float, default=None, help="held-out accuracy to reach")
-        p.add_argument("--gain", type=float, default=0.05, help="target = accuracy before + gain")
+        p.add_argument("--gain", type=float, default=0.05, help="target = mean accuracy before + gain")
+        p.add_argument("--budgets", default="", help="wall-clock budgets (s); default: quarters of sync's wall")
 
     cfg, args = parse(__doc__, extra)
     init_ray(plan(cfg))
-    base = Path(cfg.train.output_dir)
-    runs = {}
-    for mode, rollout in (("sync", {"partial_rollout": False,
-                                    "over_sampling_batch_size": cfg.rollout.rollout_batch_size}),
-                          ("april", {"partial_rollout": True})):
-        mode_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **rollout),
-                                       train=dataclasses.replace(cfg.train, output_dir=str(base / mode), resume=False))
-        runs[mode] = train(mode_cfg)
-    target = args.target if args.target is not None else runs["sync"]["accuracy_before"] + args.gain
-    result = {"target_accuracy": target}
-    for mode, s in runs.items():
-        result[mode] = {"time_to_target_s": time_to(s["history"], target), "final_accuracy": s["accuracy_after"],
-                        "accuracy_before": s["accuracy_before"], "train_s": s["train_s"], "history": s["history"]}
-    t_sync, t_april = result["sync"]["time_to_target_s"], result["april"]["time_to_target_s"]
-    result["speedup"] = t_sync / t_april if t_sync and t_april else None
+    factors = [float(f) for f in args.factors.split(",") if f]
+    modes = mode_configs(cfg, factors)
+    seeds = list(range(args.seeds))
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for seed in seeds:  # round-robin: every mode's run for this seed before the next seed
+        for mode, mode_cfg in modes.items():
+            summary = train(seeded(mode_cfg, mode, seed, Path(cfg.train.output_dir)))
+            runs[mode].append(run_record(summary, cfg.train.eval_every))
+            print(f"seed {seed} {mode}: train {summary['train_s']:.0f} s, accuracy "
+                  f"{summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}", flush=True)
+    if configured_factor(cfg, factors):
+        runs[configured_factor(cfg, factors)] = runs["april"]
+    before = [r["accuracy_before"] for recs in runs.values() for r in recs]
+    target = args.target if args.target is not None else statistics.mean(before) + args.gain
+    sync_wall = statistics.median(r["train_s"] for r in runs["sync"])
+    budgets = [float(b) for b in args.budgets.split(",") if b] or [round(sync_wall * q) for q in (0.25, 0.5, 0.75, 1)]
+    result = report(seeds, target, cfg.task.num_eval, runs, budgets)
     write_result(args.json, result)
+    print(table(result))
 
 
 if __name__ == "__main__":

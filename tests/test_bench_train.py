@@ -1,0 +1,69 @@
+"""The training benchmark's report: hand-made runs through `report`, and the JSON keys of a tiny real run."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobs.bench.train import accuracy_at, report, time_to
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def record(history, steps=20, final=None, off_policy=0.0):
+    return {"history": history, "eval_steps": [0, 10, 20][: len(history)], "train_s": history[-1][0],
+            "steps": steps, "accuracy_before": history[0][1], "final_accuracy": final or history[-1][1],
+            "final_accuracy_greedy": 0.5, "greedy_history": [], "off_policy_token_ratio": off_policy,
+            "staleness_mean": off_policy, "staleness_max": 2 if off_policy else 0,
+            "staleness_hist": {"0": 1 - off_policy, "1": off_policy},
+            "phase_s_per_step": {"rollout_s": 1.0, "learner_s": 1.0, "weight_sync_s": 0.1}}
+
+
+def test_report_by_hand():
+    runs = {"sync": [record([(0, 0.3), (50, 0.36), (100, 0.41)]), record([(0, 0.3), (60, 0.33), (120, 0.34)]),
+                     record([(0, 0.3), (55, 0.40), (110, 0.42)])],
+            "april": [record([(0, 0.3), (30, 0.37), (70, 0.40)], off_policy=0.4),
+                      record([(0, 0.3), (40, 0.36), (80, 0.42)], off_policy=0.2),
+                      record([(0, 0.3), (35, 0.34), (75, 0.39)], off_policy=0.3)]}
+    r = report([0, 1, 2], 0.35, 2048, runs, [50, 55])
+    # sync: 50, never (its whole wall 120), 55 -> median 55; APRIL: 30, 40, 75 -> median 40
+    assert r["sync"]["time_to_target_s"] == [50, 120, 55] and r["sync"]["time_to_target_median_s"] == 55
+    assert r["sync"]["reached_target"] == [True, False, True]
+    assert r["april"]["time_to_target_s"] == [30, 40, 75] and r["april"]["time_to_target_median_s"] == 40
+    assert r["speedup"] == pytest.approx(55 / 40)
+    assert r["april"]["final_accuracy"] == [0.40, 0.42, 0.39] and r["april"]["final_accuracy_median"] == 0.40
+    assert r["eval_standard_error"] == pytest.approx((0.35 * 0.65 / 2048) ** 0.5)
+    # at 50 s: sync 0.36, 0.3, 0.3 -> 0.3; at 55 s: 0.36, 0.3, 0.40 -> 0.36
+    assert r["sync"]["accuracy_at_budget"]["50"]["median"] == pytest.approx(0.3)
+    assert r["sync"]["accuracy_at_budget"]["55"]["median"] == pytest.approx(0.36)
+    assert r["april"]["accuracy_by_step"] == {"0": 0.3, "10": 0.36, "20": 0.40}
+    assert r["april"]["off_policy_token_ratio"]["median"] == pytest.approx(0.3)
+    assert r["april"]["staleness_hist"]["1"] == pytest.approx(0.3)
+    assert time_to([(0, 0.1), (5, 0.2)], 0.3) is None and accuracy_at([(0, 0.1), (5, 0.2)], 4.9) == 0.1
+
+
+@pytest.mark.slow
+def test_bench_train_json_keys_on_a_tiny_run(tmp_path, random_model_dir):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "jobs.bench.train", "--config", "configs/tiny_cpu.yaml", "--seeds", "2",
+           "--factors", "1,2", "--gain", "0.0", "--json", str(out), f"model.path={random_model_dir}",
+           f"model.cache_dir={tmp_path}", f"train.output_dir={tmp_path}/out", "task.num_train=300",
+           "task.num_eval=16", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
+           "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24", "engine.max_model_len=64",
+           "algorithm.overlong_buffer=8", "train.num_steps=2", "train.eval_every=1", "train.save_every=100",
+           "train.eval_greedy=false", "logging.wandb_mode=disabled", "logging.dashboard=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["seeds"] == [0, 1] and {"target_accuracy", "speedup", "speedup_1", "speedup_2"} <= set(r)
+    for mode in ("sync", "april", "april_1", "april_2"):
+        m = r[mode]
+        assert len(m["time_to_target_s"]) == 2 and len(m["final_accuracy"]) == 2, mode
+        assert {"time_to_target_median_s", "final_accuracy_median", "accuracy_at_budget", "accuracy_by_step",
+                "off_policy_token_ratio", "staleness_hist", "phase_s_per_step"} <= set(m), mode
+        assert list(m["accuracy_by_step"]) == ["0", "1", "2"]
+    assert r["april_2"] == r["april"]  # N'/N = 2 is the configured 8 / 4: the same runs, not run twice
+    assert r["sync"]["off_policy_token_ratio"]["max"] == 0.0
