@@ -1,0 +1,261 @@
+"""The simulator against measurement: the CPU engine's step costs and the tiny task's response lengths.
+
+`measure_cpu_engine` records every step of the real CPU engine (`LLMEngine.step`, the tiny model, one torch
+thread) while it serves the real schedules in process (the synchronous baseline and APRIL at N'/N = 1.5
+and 3, as `jobs/bench/schedule.py` wires them) and a saturated probe: the step's running rows, the context
+its decoding rows hold, the tokens it prefilled, and its CPU time (the thread's: a shared machine's load
+would swamp wall-clock times). It fits
+
+    step = a + b * rows + c * context + prefill_per_token * prefilled + prefill_per_step * (any prefill)
+
+so the fit sees the batches these schedules really make (mixed lengths, resumed inputs, prompts joining a
+busy batch); a step that regroups its rows is a feature of the fit too, but the simulated engine has no row
+layout and leaves that cost out. It also measures, in the schedules, the thread's CPU between engine steps
+per request (front end, engine worker, monitor: in the bench they share the engine's one thread) and at
+the step boundary per aborted request (the abort parks each cache; the store). It also records the response lengths the model really produces (temperature and budget of
+the config) for the first prompts of the prompt source's order, each prompt's samples together.
+`cpu_setting` is then one simulated engine with those costs and lengths, as the bench runs one real
+engine: the bench's measured utilizations (docs/benchmarks/bench_schedule.json) are what the simulation
+must predict.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import numpy as np
+
+from april_ray.config import Config
+from april_ray.sim.cluster import Setting
+from april_ray.sim.hardware import StepCost
+from april_ray.sim.workload import LengthModel, Workload
+
+FEATURES = ("one", "rows", "context", "prefilled", "any_prefill", "admitted", "restored", "regrouped")
+
+
+class StepRecorder:
+    """Wraps one `LLMEngine`'s `step` (from outside, for the measurement) and keeps each step's features
+    and CPU time, and the thread's CPU between steps (the front end, the workers and the monitor)."""
+
+    def __init__(self, engine):
+        self.engine, self.inner, self.rows = engine, engine.step, []
+        self.between_s, self.last = 0.0, None
+        self.boundary_s, self.aborted = 0.0, 0
+        self.inner_abort_all = engine.abort_all
+        engine.step, engine.abort_all = self.step, self.abort_all
+
+    def abort_all(self):
+        outs = self.inner_abort_all()
+        self.aborted += len(outs)
+        return outs
+
+    def step(self):
+        e = self.engine
+        t_in = time.thread_time()
+        if self.last is not None:
+            self.between_s += t_in - self.last
+        running = len(e.scheduler.running)
+        context = sum(s.num_tokens for s in e.scheduler.running)
+        n0, r0, g0, t0 = e.num_prefill_tokens, e.num_reused_tokens, e.num_regroups, time.thread_time()
+        outs = self.inner()
+        dt = time.thread_time() - t0
+        prefilled, rows = e.num_prefill_tokens - n0, e.occupancy[-1][1]
+        self.rows.append((1.0, rows, context, prefilled, float(prefilled > 0), rows - running,
+                          e.num_reused_tokens - r0, e.num_regroups - g0, dt))
+        self.last = time.thread_time()
+        return outs
+
+    def boundary(self) -> None:
+        """A rollout step ends: the CPU since the engine's last step (the abort, parking the aborted caches,
+        the store) is the step boundary's."""
+        if self.last is not None:
+            self.boundary_s += time.thread_time() - self.last
+        self.last = None
+
+    def per_request_between(self) -> float:
+        """CPU between steps per request the engine admitted."""
+        return self.between_s / max(1, sum(r[5] for r in self.rows))
+
+
+def fit_costs(rows: list[tuple]) -> dict:
+    """Least squares with every cost >= 0: a feature whose cost comes out negative (it moves with others,
+    e.g. admissions with prefilled tokens) is dropped, the most negative first, and the rest refitted."""
+    x, y = np.array([r[:-1] for r in rows], dtype=float), np.array([r[-1] for r in rows])
+    keep, coef = list(range(x.shape[1])), np.zeros(x.shape[1])
+    while keep:
+        sol, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if sol.min() >= 0:
+            coef[keep] = sol
+            break
+        keep.pop(int(np.argmin(sol)))
+    rel = np.abs(x @ coef - y) / y
+    names = ("a", "b", "c", "prefill_per_token", "prefill_per_step", "per_admitted", "per_restored_token",
+             "per_regroup")
+    return dict(zip(names, map(float, coef))) | {
+        "steps": len(rows), "rel_error_median": float(np.median(rel)), "rel_error_p90": float(np.percentile(rel, 90))}
+
+
+async def _record_schedules(cfg: Config, model_path: str, train, eval_prompts, steps: int) -> tuple[list, dict]:
+    from april_ray.engine.probe import saturated_throughput
+    from april_ray.rollout.engine_worker import build_worker
+    from april_ray.rollout.local import LocalPool, LocalProxy
+    from april_ray.rollout.monitor import CompletionMonitor
+    from april_ray.rollout.prompt_source import PromptSource
+    from april_ray.rollout.store import PartialRolloutStore
+
+    rows, modes, n = [], [], cfg.rollout.rollout_batch_size // cfg.engine.num_engines
+    between, admitted, boundary, aborted, by_mode = 0.0, 0, 0.0, 0, {}
+    for factor in (None, 1.5, 3.0):
+        worker = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
+        recorder = StepRecorder(worker.engine.engine)
+        r = dataclasses.replace(cfg.rollout, rollout_batch_size=n, partial_rollout=factor is not None,
+                                over_sampling_batch_size=n if factor is None else round(n * factor))
+        source = PromptSource(train, worker.encode, r.n_samples_per_prompt, cfg.sampling.max_response_len,
+                              cfg.task.seed)
+        store = PartialRolloutStore(cfg.staleness.max_versions, cfg.staleness.policy)
+        monitor = CompletionMonitor(r, LocalPool([worker], [cfg.engine.max_num_seqs]), LocalProxy(source),
+                                    LocalProxy(store))
+        for step in range(steps):
+            worker.update_weights(None, step)
+            await monitor.step(step, step)
+            recorder.boundary()
+        between += recorder.between_s
+        boundary += recorder.boundary_s
+        aborted += recorder.aborted
+        by_mode["sync" if factor is None else f"april_{factor:g}"] = recorder.per_request_between()
+        admitted += sum(row[5] for row in recorder.rows)
+        rows += recorder.rows
+        modes += [str(factor)] * len(recorder.rows)
+    prober = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
+    probe = StepRecorder(prober.engine.engine)
+    await saturated_throughput(prober.engine, eval_prompts, prober.sampling, cfg.engine.max_num_seqs, 3.0)
+    modes += ["probe"] * len(probe.rows)
+    return rows + probe.rows, modes, {"schedules": between / max(1, admitted), "probe": probe.per_request_between(),
+                                      "boundary_per_aborted": boundary / max(1, aborted), "by_mode": by_mode}
+
+
+def measure_cpu_engine(cfg: Config, model_path: str, train, eval_examples, steps: int = 12,
+                       num_prompts: int = 320) -> dict:
+    import torch
+
+    from april_ray.model import load_policy
+
+    torch.set_num_threads(cfg.engine.num_threads)
+    model, tok = load_policy(model_path)
+    t0 = time.perf_counter()
+    rows, modes, between = asyncio.run(_record_schedules(cfg, model_path, train, [tok.encode(e.prompt) for e in eval_examples],
+                                                  steps))
+    record_s = time.perf_counter() - t0
+    by_row = measure_lengths(model, tok, cfg, train, num_prompts)
+    lengths = [x for v in by_row.values() for x in v]
+    return {"fit": fit_costs(rows), "between_steps_cpu_s_per_request": between,
+            "features": FEATURES + ("cpu_s",), "steps": [list(r) for r in rows], "step_modes": modes,
+            "by_row": {str(k): v for k, v in by_row.items()},
+            "setup": {"threads": cfg.engine.num_threads, "record_s": record_s, "schedule_steps": steps,
+                      "prompts": num_prompts, "temperature": cfg.sampling.temperature,
+                      "max_response_len": cfg.sampling.max_response_len,
+                      "response_len_mean": float(np.mean(lengths)), "response_len_p99": float(np.percentile(lengths, 99))}}
+
+
+def measure_lengths(model, tok, cfg: Config, train, num_prompts: int) -> dict[int, list[int]]:
+    """Response lengths of `n_samples_per_prompt` samples for each of the first prompts in the source's order."""
+    from april_ray.engine.cpu_engine import LLMEngine
+    from april_ray.rollout.prompt_source import PromptSource
+    from april_ray.types import GenerateRequest, SamplingParams
+
+    source = PromptSource(train, tok.encode, cfg.rollout.n_samples_per_prompt, cfg.sampling.max_response_len,
+                          cfg.task.seed)
+    groups = source.take(num_prompts)
+    engine = LLMEngine(model, max_num_seqs=cfg.engine.max_num_seqs, max_model_len=cfg.engine.max_model_len,
+                       max_prefill_tokens=cfg.engine.max_prefill_tokens, seed=cfg.engine.seed)
+    sp = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k,
+                        cfg.sampling.max_response_len, (tok.eos_token_id,))
+    reqs = [GenerateRequest(s.sample_id, s.prompt_ids, sp) for g in groups for s in g.samples]
+    outs = engine.generate(reqs)
+    by_row: dict[int, list[int]] = {}
+    for g, i in zip(groups, range(0, len(outs), source.n)):
+        by_row[g.prompt_index] = [o.num_tokens for o in outs[i:i + source.n]]
+    return by_row
+
+
+def cpu_step_cost(fit: dict, per_request: float = 0.0, per_aborted: float = 0.0) -> StepCost:
+    """The fitted CPU costs (a prompt that joins a running batch is prefilled in its decode pass,
+    `LLMEngine.step`, so a prefill adds to that step), plus `per_request` of CPU a request costs its
+    callers on the engine's thread, and `per_aborted` of step boundary per aborted request."""
+    return StepCost(0.0, ((fit["a"], fit["b"], fit["c"]),), fit["prefill_per_token"], 0.0, fit["prefill_per_step"],
+                    fit["per_admitted"] + per_request, fit["per_restored_token"], per_aborted)
+
+
+def cpu_setting(cfg: Config, measured: dict, prompt_lens: list[int], per_request: float,
+                per_aborted: float = 0.0) -> Setting:
+    """One simulated CPU engine as `jobs/bench/schedule.py` runs one: the config's cap, budget, parked
+    caches and stale-cache reuse; lengths of the task as the model produced them (one token a block)."""
+    from april_ray.config import StalenessConfig
+
+    by_row = {int(k): v for k, v in measured["by_row"].items()}
+    lengths = LengthModel("task", 1.0, 1.0, 1.0, cfg.task.seed, rows=by_row)
+    workload = Workload(lengths, prompt_lens, 1, cfg.sampling.max_response_len, 0.0, cfg.task.seed)
+    e = cfg.engine
+    stale = cfg.staleness.max_versions if e.reuse_stale_kv else 0
+    slots = e.max_num_seqs * e.max_model_len  # the CPU engine's cache: a slot of max_model_len per row
+    return Setting(workload, cpu_step_cost(measured["fit"], per_request, per_aborted), 1, e.max_num_seqs, slots,
+                   e.max_prefill_tokens, StalenessConfig(cfg.staleness.max_versions, cfg.staleness.policy),
+                   e.park_slots, stale, cfg.task.seed)
+
+
+def measure(cfg: Config) -> dict:
+    """`--measure-cpu`: the CPU engine's costs and the tiny model's response lengths (about a minute)."""
+    from april_ray.model import ensure_model
+    from april_ray.task.data import dataset_paths, read_examples
+
+    train_path, eval_path = dataset_paths(cfg.task, cfg.model.cache_dir)
+    train = read_examples(train_path, cfg.task.prompt_key, cfg.task.answer_key)
+    return measure_cpu_engine(cfg, str(ensure_model(cfg)), train, read_examples(eval_path))
+
+
+def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
+    """`--calibrate`: bench_schedule's setting (one engine, its N and factors, steps and warm-up) simulated
+    with the measured costs and lengths. `shared`: the control plane and the engine workers share the
+    engine's thread (their CPU holds the engine up), as in the bench; `free`: they cost no time."""
+    from transformers import AutoTokenizer
+
+    from april_ray.model import ensure_model
+    from april_ray.sim import study
+    from april_ray.task.data import dataset_paths, read_examples
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_model(cfg)))
+    train_path, _ = dataset_paths(cfg.task, cfg.model.cache_dir)
+    prompt_lens = [len(tok.encode(ex.prompt)) for ex in read_examples(train_path, cfg.task.prompt_key,
+                                                                       cfg.task.answer_key)]
+    between = costs["between_steps_cpu_s_per_request"]
+    setting = cpu_setting(cfg, costs, prompt_lens, between["schedules"], between["boundary_per_aborted"])
+    bare = cpu_setting(cfg, costs, prompt_lens, 0.0)
+    bench = measured["config"]
+    n, steps, warmup = bench["rollout_batch_size"], measured["sync"]["steps"], sim.warmup_steps
+    ceiling = study.ceiling_of(cpu_setting(cfg, costs, prompt_lens, between["probe"]), cfg.rollout.n_samples_per_prompt)
+    bare_ceiling = study.ceiling_of(bare, cfg.rollout.n_samples_per_prompt)
+    modes = [("sync", None)] + [(f"april_{f:g}", f) for f in bench["factors"]]
+    rows = []
+    for name, f in modes:
+        rollout = study.rollout_for(cfg, n, f)
+        sim_ = study.run_schedule(setting, rollout, steps, warmup, "none", ceiling)
+        alone = study.run_schedule(bare, rollout, steps, warmup, "none", bare_ceiling)
+        m = measured[name]
+        rows.append({"mode": name, "factor": f, "measured_utilization": m["utilization"],
+                     "simulated_utilization": sim_["utilization"], "error": sim_["utilization"] - m["utilization"],
+                     "simulated_engine_alone": alone["utilization"],
+                     "measured_rows": m["running_rows_mean"], "simulated_rows": sim_["running_rows_per_step"],
+                     "measured_off_policy": m["off_policy_token_ratio"],
+                     "simulated_off_policy": sim_["off_policy_token_ratio"],
+                     "measured_prefill_per_decoded": m["prefill_per_decoded"],
+                     "simulated_prefill_per_decoded": sim_["prefill_per_decoded"],
+                     "simulated_control_plane_cpu_s_per_step": sim_["control_plane_cpu_s_per_step"],
+                     "duplicated_samples": sim_["duplicated_samples"] + alone["duplicated_samples"],
+                     "samples_with_wrong_length": sim_["samples_with_wrong_length"] + alone["samples_with_wrong_length"]})
+        print(f"{name:10s} measured {m['utilization']:.3f}  simulated {sim_['utilization']:.3f} "
+              f"(engine alone {alone['utilization']:.3f})", flush=True)
+    return {"ceiling_tok_s": {"measured": measured["saturated_tok_s"], "simulated": ceiling},
+            "comparison": rows, "within_0.05": all(abs(r["error"]) <= 0.05 for r in rows),
+            "setup": {"rollout_batch_size": n, "steps": steps, "warmup_steps": warmup, "fit": costs["fit"],
+                      "lengths": {k: costs["setup"][k] for k in ("response_len_mean", "response_len_p99", "prompts")}}}

@@ -1,0 +1,123 @@
+"""Virtual time for asyncio, and the CPU each part of a simulation really spends.
+
+`VirtualLoop` is asyncio's own selector loop with a selector that never waits: when nothing is ready,
+`select(timeout)` moves the clock to the next timer instead of sleeping. So `asyncio.sleep`, `call_at`
+and `asyncio.wait(..., timeout=)` all run in virtual time, the completion monitor's `clock` argument is
+`loop.time`, and a simulated hour takes only as long as its callbacks' CPU.
+
+Accounting: every callback the loop runs belongs to an owner (the task whose step or wake-up it is, or
+the object whose method it is). `watch(owner, account)` (or `spawn(coro, account)` for a new task, its
+first step included) times that owner's callbacks with
+`time.process_time` and adds them to `cpu[account]`; callbacks of unwatched owners go to
+`default_account` (untimed when it is None). An account in `clocked` also spends its CPU on the virtual
+clock: the monitor's own work takes time, as it does on its host core, and completions that arrive
+meanwhile reach it together. With `stall` set, that time also holds up the simulated engines
+(`stall_s`): everything then shares one thread, as the in-process benchmark's engine and control plane do.
+"""
+from __future__ import annotations
+
+import asyncio
+import selectors
+import threading
+import time
+from collections import defaultdict
+
+
+class SimulationStalled(RuntimeError):
+    """Nothing is ready and no timer is set: every task waits for something that will never happen."""
+
+
+class _VirtualSelector(selectors.SelectSelector):
+    """Never sleeps in virtual time; but while another thread is alive (a result may come back through
+    `call_soon_threadsafe`), it waits for real, up to THREAD_WAIT_S, before moving the clock on."""
+
+    THREAD_WAIT_S = 5.0
+
+    def __init__(self, loop: "VirtualLoop"):
+        super().__init__()
+        self.loop = loop
+
+    def select(self, timeout=None):
+        waited = 0.0
+        while threading.active_count() > 1 and waited < self.THREAD_WAIT_S:
+            events = super().select(0.01)
+            if events:
+                return events
+            waited += 0.01
+        events = super().select(0)
+        if events or (timeout is not None and timeout <= 0):
+            return events
+        if timeout is None:
+            raise SimulationStalled("virtual clock: no callback is ready and no timer is set")
+        self.loop.now += timeout
+        return []
+
+
+class VirtualLoop(asyncio.SelectorEventLoop):
+    def __init__(self):
+        self.now = 0.0
+        self.cpu: dict[str, float] = defaultdict(float)
+        """CPU seconds (process time) per account."""
+        self.owners: dict[int, tuple[object, str]] = {}
+        self.default_account: str | None = None
+        self.clocked: set[str] = set()
+        self.stall = False
+        self._spawning: str | None = None
+        self.stall_s = 0.0
+        """Virtual seconds the simulated engines have been held up by clocked work (with `stall`)."""
+        super().__init__(_VirtualSelector(self))
+
+    def time(self) -> float:
+        return self.now
+
+    def watch(self, owner, account: str) -> None:
+        """Time `owner`'s callbacks into `cpu[account]` (a task is forgotten when it is done)."""
+        self.owners[id(owner)] = (owner, account)
+        if isinstance(owner, asyncio.Future):
+            owner.add_done_callback(lambda f: self.owners.pop(id(f), None))
+
+    def spawn(self, coro, account: str) -> asyncio.Task:
+        """A task whose every step, its first included, is timed into `account`."""
+        self._spawning = account
+        try:
+            return self.create_task(coro)
+        finally:
+            self._spawning = None
+
+    def _account(self, callback) -> str | None:
+        owner = getattr(callback, "__self__", None)
+        if self._spawning is not None and isinstance(owner, asyncio.Task):
+            self.watch(owner, self._spawning)
+        entry = self.owners.get(id(owner))
+        return entry[1] if entry is not None and entry[0] is owner else self.default_account
+
+    def call_soon(self, callback, *args, context=None):
+        account = self._account(callback)
+        if account is None:
+            return super().call_soon(callback, *args, context=context)
+        return super().call_soon(self._timed, account, callback, *args, context=context)
+
+    def call_at(self, when, callback, *args, context=None):
+        account = self._account(callback)
+        if account is None:
+            return super().call_at(when, callback, *args, context=context)
+        return super().call_at(when, self._timed, account, callback, *args, context=context)
+
+    def _timed(self, account: str, callback, *args) -> None:
+        t0 = time.process_time()
+        try:
+            callback(*args)
+        finally:
+            dt = time.process_time() - t0
+            self.cpu[account] += dt
+            if account in self.clocked:
+                self.now += dt
+                if self.stall:
+                    self.stall_s += dt
+
+
+def run_virtual(main, loop: VirtualLoop | None = None):
+    """Run coroutine function `main(loop)` to completion on a (new) virtual loop; returns its result."""
+    loop = loop or VirtualLoop()
+    with asyncio.Runner(loop_factory=lambda: loop) as runner:
+        return runner.run(main(loop))

@@ -1,0 +1,75 @@
+"""The simulator's own config section, `simulate.*` (`python -m jobs.simulate ... simulate.key=value`).
+
+Its defaults describe the GPU setting of `configs/qwen3_4b_dapo.yaml`; every one is an assumption the
+simulator states in its output (`assumptions` in its JSON). The rest of the setting (model, batch,
+over-provisioning, budget, engines, staleness) is read from the job's own config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from april_ray.config import ConfigError, non_negative, one_of, positive, probability
+
+
+@dataclass
+class SimulateConfig:
+    accelerator: str = one_of("h100", "h100", "h200", "mi300x")
+    """Accelerator of every engine and learner GPU (april_ray/sim/hardware.py: datasheet numbers)."""
+    bandwidth_efficiency: float = probability(0.8)
+    """Share of peak memory bandwidth a decode step achieves (assumption: serving engines reach ~70-85%)."""
+    flops_efficiency: float = probability(0.5)
+    """Share of peak bf16 FLOP/s in prefill and in a decode step's arithmetic (assumption)."""
+    step_overhead_s: float = non_negative(0.0015)
+    """t0 of a decode step: scheduling, launches, sampling (assumption: ~1.5 ms with CUDA graphs)."""
+    learner_mfu: float = probability(0.35)
+    """Learner time = tokens x 6 x params / (GPUs x peak FLOP/s x this) (assumption)."""
+    weight_sync_gb_s: float = positive(50.0)
+    """Bandwidth of the weight broadcast after each step, GB/s (assumption: one 400 Gb/s NIC)."""
+    length_family: str = one_of("lognormal", "lognormal", "histogram", "task")
+    """Response lengths: lognormal (length_median, length_sigma), histogram or task (length_file)."""
+    length_median: float = positive(3000.0)
+    """Median response in tokens (assumption for Qwen3-4B reasoning traces on DAPO-Math)."""
+    length_sigma: float = positive(1.0)
+    """Log-space spread: with median 3,000, ~4.5% of samples reach a 16,384 budget (assumption)."""
+    length_file: str = ""
+    """JSON of measured lengths (april_ray/sim/workload.py: load_lengths_file)."""
+    group_correlation: float = non_negative(0.5)
+    """Correlation of the normal scores of one prompt's samples' lengths, at most 1 (assumption; 1: all
+    alike, 0: independent)."""
+    prompt_len: int = positive(256)
+    """Prompt tokens, chat template included (assumption for DAPO-Math prompts)."""
+    num_prompts: int = positive(17398)
+    """Dataset rows (DAPO-Math-17k); prompts are drawn in the prompt source's shuffled order."""
+    filtered_fraction: float = non_negative(0.0)
+    """Share of prompts whose samples all get the same reward (dropped by a dynamic filter); 0: none."""
+    token_block: int = non_negative(0)
+    """Tokens simulated as one: 0 picks the largest power of two that leaves >= 512 of the budget."""
+    steps: int = positive(20)
+    """Measured RL steps per schedule."""
+    warmup_steps: int = non_negative(3)
+    """Steps run first and not measured (APRIL's store fills in the first few)."""
+    seed: int = 0
+
+
+def load_simulate_config(overrides: list[str]) -> SimulateConfig:
+    """`simulate.key=value` items (the prefix included) over the defaults, each value checked by its rule."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(SimulateConfig),
+                                 OmegaConf.from_dotlist([o.split(".", 1)[1] for o in overrides]))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"simulate.{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]) from None
+    for f in fields(cfg):
+        if "rule" in f.metadata:
+            text, check = f.metadata["rule"]
+            if not check(getattr(cfg, f.name)):
+                raise ConfigError(f"simulate.{f.name}: must be {text}, got {getattr(cfg, f.name)!r}")
+    if cfg.group_correlation > 1:
+        raise ConfigError(f"simulate.group_correlation: must be <= 1, got {cfg.group_correlation}")
+    if cfg.length_family != "lognormal" and not cfg.length_file:
+        raise ConfigError(f"simulate.length_file: length_family={cfg.length_family} needs a lengths file")
+    return cfg

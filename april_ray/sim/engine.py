@@ -1,0 +1,300 @@
+"""A simulated inference engine: continuous batching in virtual time, behind `april_ray.engine.base.Engine`.
+
+The real `EngineWorker` wraps it unchanged. What it keeps of a real engine:
+- a running batch capped at `max_num_seqs` rows and by a KV cache of `kv_capacity` tokens: a request waits
+  while its input does not fit, and when the growing contexts overflow the cache the newest row is
+  retracted to the front of the queue (its tokens kept, its cache dropped: it re-prefills, as SGLang's
+  retraction does);
+- admission at step boundaries, prefill in the step that admits (at most `max_prefill_tokens` a step,
+  one input always), one token per running row per step, every token stamped with the weights' version;
+- abort: the step in progress completes, then the request returns its tokens so far (finish reason
+  ABORT); a resumed request (prompt + earlier tokens, the remaining budget) continues from there. With
+  `park_slots`, an aborted row's cache is kept (oldest evicted first) and a resume with exactly those
+  tokens skips its prefill while the cache is at most `stale_kv_versions` versions old (the CPU engine).
+
+Time: rows, context and the step cost stay the same between events (an admission, a finish, an abort,
+a full cache), so the engine plans a whole span of steps at once and sets one timer for its end; an
+event inside a span cuts it at the end of the step in progress. The cost of a span is `StepCost`'s. With
+the loop's `stall` on, the span also lasts as long as the loop's clocked work held the thread meanwhile.
+
+Units are the workload's blocks of tokens: one step here is `block` decode steps of the real engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from april_ray.sim.hardware import StepCost
+from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
+
+
+@dataclass
+class _Request:
+    request_id: str
+    key: str
+    """The sample's id: the key of its parked cache."""
+    fut: asyncio.Future
+    input_len: int
+    todo: int
+    """Tokens to generate before it finishes (unless aborted)."""
+    reason: FinishReason
+    token: int
+    start: int = 0
+    """Engine step at which it joined the running batch."""
+    mark: int = 0
+    """Engine step since which its tokens carry the current version."""
+    runs: list[tuple[int, int]] = field(default_factory=list)
+    """(version, tokens) of the tokens generated so far, older runs first."""
+    kv_version: int = 0
+
+
+@dataclass
+class _Span:
+    t_start: float
+    rows: int
+    context: int
+    prefill_s: float
+    n: int
+    stall0: float
+
+
+class SimEngine:
+    def __init__(self, cost: StepCost, target, max_num_seqs: int, kv_capacity: int, max_prefill_tokens: int,
+                 block: int = 1, park_slots: int = 0, stale_kv_versions: int = 0, version: int = 0):
+        """`target(request) -> (blocks left to generate before the sample's drawn end, token id)`;
+        lengths and capacities are in blocks."""
+        self.cost, self.target, self.block = cost, target, block
+        self.cap, self.kv_capacity, self.max_prefill = max_num_seqs, kv_capacity, max_prefill_tokens
+        self.park_slots, self.stale_kv_versions = park_slots, stale_kv_versions
+        self.version = self.next_version = version
+        self.loop = asyncio.get_event_loop()
+        self.steps = 0
+        self.context = 0
+        """Tokens in the running rows' caches after `steps` steps."""
+        self.running: dict[str, _Request] = {}
+        self.order: list[str] = []
+        """Running ids by admission, oldest first (the newest is retracted first)."""
+        self.finish_heap: list[tuple[int, int, str]] = []
+        self.waiting: deque[_Request] = deque()
+        self.aborting: dict[str, bool] = {}
+        self.parked: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self.span: _Span | None = None
+        self.timer = None
+        self.t_free = 0.0
+        """When the last span ended (the next one starts then, or on arrival if idle)."""
+        self.num_generated = self.num_prefill = self.num_reused = self.num_retracted = 0
+        self.busy_s = self.row_seconds = 0.0
+        self.num_steps = self.row_steps = 0
+        self.peak_context = 0
+        self.occupancy: list[tuple[float, int]] = []
+        self._seq = 0
+
+    # -- the Engine protocol ----------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        left, token = self.target(request)
+        budget = request.sampling.max_new_tokens
+        if budget <= 0 or not request.input_ids:
+            raise ValueError(f"request {request.request_id}: needs input ids and max_new_tokens > 0")
+        todo = max(1, left)
+        reason = FinishReason.STOP if todo <= budget else FinishReason.LENGTH
+        if len(request.input_ids) + min(todo, budget) > self.kv_capacity:
+            raise ValueError(f"request {request.request_id}: {len(request.input_ids)} blocks of input and up to "
+                             f"{min(todo, budget)} new ones do not fit the KV cache of {self.kv_capacity} blocks")
+        fut = self.loop.create_future()
+        key = request.request_id.rpartition("@")[0] or request.request_id
+        self.waiting.append(_Request(request.request_id, key, fut, len(request.input_ids), min(todo, budget),
+                                     reason, token))
+        self._poke()
+        return await fut
+
+    def abort(self, request_id: str, park: bool = True) -> bool:
+        for r in self.waiting:
+            if r.request_id == request_id:
+                self.waiting.remove(r)
+                self._resolve(r, FinishReason.ABORT)
+                return True
+        if request_id in self.running:
+            self.aborting[request_id] = park
+            self._poke()
+            return True
+        return False
+
+    def abort_all(self) -> int:
+        n = len(self.waiting) + len(self.running)
+        while self.waiting:
+            self._resolve(self.waiting.popleft(), FinishReason.ABORT)
+        for rid in self.running:
+            self.aborting.setdefault(rid, True)
+        if self.running:
+            self._poke()
+        return n
+
+    def update_weights(self, state_dict, version: int) -> None:
+        """Weights are not simulated; tokens from the next step boundary carry `version`."""
+        self.next_version = version
+        if self.span is None and self.timer is None:
+            self.version = version
+        else:
+            self._poke()
+
+    def set_kv_reuse(self, enabled: bool) -> None:
+        self.park_slots = self.park_slots if enabled else 0
+
+    def stats(self, drain: bool = True) -> EngineStats:
+        occupancy = self.occupancy
+        if drain:
+            self.occupancy = []
+        return EngineStats(num_generated_tokens=self.num_generated, num_prefill_tokens=self.num_prefill,
+                           busy_s=self.busy_s, num_running=len(self.running), num_waiting=len(self.waiting),
+                           version=self.version, occupancy=occupancy, num_reused_tokens=self.num_reused,
+                           num_parked=len(self.parked))
+
+    # -- events -----------------------------------------------------------------------------------------
+    def _poke(self) -> None:
+        """Something changed: handle it at the end of the step in progress (now, if idle)."""
+        if self.timer is None:
+            self.timer = self.loop.call_at(max(self.loop.time(), self.t_free), self._boundary)
+            return
+        s = self.span
+        if s is None or s.n <= 1:
+            return
+        elapsed = self.loop.time() - s.t_start - s.prefill_s - (self.loop.stall_s - s.stall0 if self.loop.stall else 0)
+        done = self.cost.steps_within(s.rows, s.context * self.block, s.n * self.block, max(0.0, elapsed)) // self.block
+        if done + 1 < s.n:
+            s.n = done + 1
+            self.timer.cancel()
+            self.timer = self.loop.call_at(self._span_end(s), self._boundary)
+
+    def _span_end(self, s: _Span) -> float:
+        end = s.t_start + s.prefill_s + self.cost.decode_span(s.rows, s.context * self.block, s.n * self.block)
+        return end + (self.loop.stall_s - s.stall0 if self.loop.stall else 0.0)
+
+    def _boundary(self) -> None:
+        self.timer = None
+        s = self.span
+        if s is not None:
+            end = self._span_end(s)
+            if end > self.loop.time() + 1e-12:  # the thread was held up meanwhile: the span ends later
+                self.timer = self.loop.call_at(end, self._boundary)
+                return
+            self._advance(s, end)
+        self._retire()
+        if self.next_version != self.version:
+            for r in self.running.values():
+                self._close_run(r)
+            self.version = self.next_version
+        self._admit()
+        self._plan(continuing=s is not None)
+
+    def _advance(self, s: _Span, end: float) -> None:
+        self.span = None
+        self.steps += s.n
+        self.context += s.rows * s.n
+        self.peak_context = max(self.peak_context, self.context)
+        self.num_generated += s.rows * s.n
+        self.busy_s += end - s.t_start
+        self.row_seconds += s.rows * (end - s.t_start)
+        self.num_steps += s.n
+        self.row_steps += s.rows * s.n
+        self.occupancy.append((end, s.rows))
+        self.t_free = end
+
+    def _retire(self) -> None:
+        """Resolve finished rows, then aborted ones (with their tokens so far)."""
+        while self.finish_heap and self.finish_heap[0][0] <= self.steps:
+            _, _, rid = heapq.heappop(self.finish_heap)
+            r = self.running.get(rid)
+            if r is not None and r.start + r.todo == self.steps:
+                self._remove(r)
+                self._resolve(r, r.reason)
+        for rid, park in self.aborting.items():
+            r = self.running.get(rid)
+            if r is not None:
+                self.t_free += self.cost.per_aborted  # the engine's time to let it go
+                self._remove(r)
+                if park and self.park_slots:
+                    self._park(r)
+                self._resolve(r, FinishReason.ABORT)
+        self.aborting.clear()
+
+    def _remove(self, r: _Request) -> None:
+        del self.running[r.request_id]
+        self.order.remove(r.request_id)
+        generated = self.steps - r.start
+        self.context -= r.input_len + generated
+        self._close_run(r)
+        r.input_len += generated
+        r.todo -= generated
+
+    def _close_run(self, r: _Request) -> None:
+        if self.steps > r.mark:
+            r.runs.append((self.version, self.steps - r.mark))
+        r.mark = self.steps
+
+    def _park(self, r: _Request) -> None:
+        self.parked[(r.key, r.input_len)] = r.kv_version
+        while len(self.parked) > self.park_slots:
+            self.parked.popitem(last=False)
+
+    def _resolve(self, r: _Request, reason: FinishReason) -> None:
+        n = sum(c for _, c in r.runs)
+        versions = [v for v, c in r.runs for _ in range(c)]
+        if not r.fut.done():
+            r.fut.set_result(GenerateOutput(r.request_id, [r.token] * n, [-1.0] * n, versions, reason))
+
+    def _admit(self) -> None:
+        prefill, inputs, admitted, restored = 0, [], 0, 0
+        while self.waiting and len(self.running) < self.cap:
+            r = self.waiting[0]
+            hit = self.parked.get((r.key, r.input_len))
+            reuse = hit is not None and self.version - hit <= self.stale_kv_versions
+            cost = 0 if reuse else r.input_len
+            if self.context + r.input_len + len(self.running) + 1 > self.kv_capacity:
+                break  # no room in the KV cache: it waits
+            if inputs and prefill + cost > self.max_prefill:
+                break
+            self.waiting.popleft()
+            admitted += 1
+            if reuse:
+                del self.parked[(r.key, r.input_len)]
+                self.num_reused += r.input_len
+                restored += r.input_len * self.block
+                r.kv_version = hit
+            else:
+                inputs.append((0, r.input_len * self.block))
+                r.kv_version = self.version
+            prefill += cost
+            r.start = r.mark = self.steps
+            self.running[r.request_id] = r
+            self.order.append(r.request_id)
+            self.context += r.input_len
+            self._seq += 1
+            heapq.heappush(self.finish_heap, (r.start + r.todo, self._seq, r.request_id))
+        self.num_prefill += prefill
+        self._prefill_s = self.cost.admission(inputs, admitted, restored)
+
+    def _plan(self, continuing: bool) -> None:
+        """The next span; a batch that was running goes on from the end of the last one (its boundary may
+        be handled late when the clocked control plane held the loop: the engine did not wait for it)."""
+        rows = len(self.running)
+        if rows == 0:
+            self.t_free = max(self.t_free, self.loop.time())
+            return
+        while (room := (self.kv_capacity - self.context) // rows) < 1:
+            assert rows > 1, "one sequence outgrew the KV cache (generate checks input + budget)"
+            self._retract()
+            rows -= 1
+        to_finish = self.finish_heap[0][0] - self.steps
+        n = max(1, min(to_finish, room))
+        start = self.t_free if continuing else max(self.t_free, self.loop.time())
+        self.span = _Span(start, rows, self.context, self._prefill_s, n, self.loop.stall_s)
+        self.timer = self.loop.call_at(self._span_end(self.span), self._boundary)
+
+    def _retract(self) -> None:
+        r = self.running[self.order[-1]]
+        self._remove(r)
+        self.waiting.appendleft(r)
+        self.num_retracted += 1
+

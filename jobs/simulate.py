@@ -1,0 +1,181 @@
+"""What APRIL does on a GPU cluster we do not have: the real rollout scheduler in virtual time against
+simulated engines (april_ray/sim/), from a few GPUs to a thousand.
+
+    python -m jobs.simulate --config configs/qwen3_4b_dapo.yaml --gpus 8,64,512,1024 [--factors 1,1.5,2,3,4]
+        --json PATH [--plot PNG] [key=value ...] [simulate.key=value ...]
+    python -m jobs.simulate --config configs/tiny_cpu.yaml --measure-cpu docs/benchmarks/simulate_cpu.json
+    python -m jobs.simulate --config configs/tiny_cpu.yaml --calibrate --json PATH
+
+For each GPU count: the synchronous baseline and APRIL at each N'/N, with the completion monitor, prompt
+source, partial-rollout store and engine workers of the training job, on engines whose step costs follow
+the accelerator's roofline and whose responses end at lengths drawn from `simulate.length_*`
+(april_ray/sim/config.py; every constant is listed under `assumptions` in the JSON). The simulated engines
+replace the configured backend (`engine.backend` and the server's settings are not used, except
+`engine.mem_fraction`, the share of memory for weights and KV cache).
+
+`--measure-cpu` times the real CPU engine (step cost by rows and context, response lengths of the tiny
+model); `--calibrate` runs the simulator with those costs and compares it with `jobs.bench.schedule`'s
+measured utilizations (`--measured`, default docs/benchmarks/bench_schedule.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from jobs.common import write_result
+from april_ray.config import ConfigError, add_config_args, load_config, to_yaml
+from april_ray.sim import study
+from april_ray.sim.config import SimulateConfig, load_simulate_config
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+
+
+def parse() -> tuple:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser)
+    parser.add_argument("--gpus", default="8", help="GPU counts, comma-separated")
+    parser.add_argument("--factors", default=None, help="APRIL's N'/N, comma-separated (default: the config's)")
+    parser.add_argument("--json", default=None, help="where to write the results")
+    parser.add_argument("--plot", default=None, help="PNG: utilization vs N'/N per GPU count")
+    parser.add_argument("--measure-cpu", default=None, metavar="PATH", help="measure the CPU engine, write PATH")
+    parser.add_argument("--calibrate", action="store_true", help="simulate the CPU engine vs bench_schedule")
+    parser.add_argument("--cpu-costs", default=str(DOCS / "simulate_cpu.json"), help="--measure-cpu's output")
+    parser.add_argument("--measured", default=str(DOCS / "bench_schedule.json"), help="bench_schedule's JSON")
+    args = parser.parse_intermixed_args()
+    sim_items = [o for o in args.overrides if o.startswith("simulate.")]
+    rest = [o for o in args.overrides if not o.startswith("simulate.")]
+    try:
+        cfg = load_config(args.config, rest)
+        sim = load_simulate_config(sim_items)
+    except ConfigError as e:
+        parser.error(str(e))
+    if args.print_config:
+        print(to_yaml(cfg))
+        raise SystemExit(0)
+    return cfg, sim, args
+
+
+def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float]) -> dict:
+    rows, ceiling, setting = [], None, None
+    for g in gpus:
+        setting = study.gpu_setting(cfg, sim, g)
+        if ceiling is None:  # every engine is alike, whatever their number
+            ceiling = study.ceiling_of(setting, cfg.rollout.n_samples_per_prompt)
+        n = study.batch_for(cfg, setting.num_engines)
+        sync = study.run_schedule(setting, study.rollout_for(cfg, n, None), sim.steps, sim.warmup_steps,
+                                  "latency", ceiling)
+        for f in factors:
+            april = study.run_schedule(setting, study.rollout_for(cfg, n, f), sim.steps, sim.warmup_steps,
+                                       "latency", ceiling)
+            rows.append(result_row(cfg, sim, g, setting.num_engines, f, sync, april))
+            print(format_row(rows[-1]), flush=True)
+    return {"ceiling_tok_s_per_engine": ceiling * setting.workload.block, "results": rows,
+            "assumptions": study.assumptions(cfg, sim, setting),
+            "control_plane_limit": control_plane_limit(rows, factors)}
+
+
+def result_row(cfg, sim, gpus: int, engines: int, factor: float, sync: dict, april: dict) -> dict:
+    sync_learn = study.learner_s(cfg, sim, gpus, sync["train_tokens_per_step"])
+    april_learn = study.learner_s(cfg, sim, gpus, april["train_tokens_per_step"])
+    ws = study.weight_sync_s(cfg, sim)
+    kv_bytes = study.model_spec(cfg.model.path).kv_bytes_per_token
+    step_s, sync_step_s = april["rollout_s"] + april_learn + ws, sync["rollout_s"] + sync_learn + ws
+    return {
+        "gpus": gpus, "engines": engines, "factor": factor,
+        "rollout_batch_size": april["rollout_batch_size"], "over_sampling_batch_size": april["over_sampling_batch_size"],
+        "sync_utilization": sync["utilization"], "april_utilization": april["utilization"],
+        "speedup": april["effective_tok_s"] / sync["effective_tok_s"],
+        "sync_tok_s": sync["effective_tok_s"], "april_tok_s": april["effective_tok_s"],
+        "off_policy_token_ratio": april["off_policy_token_ratio"], "staleness_hist": april["staleness_hist"],
+        "step_s": step_s, "sync_step_s": sync_step_s, "step_speedup": sync_step_s / step_s,
+        "rollout_s": april["rollout_s"], "sync_rollout_s": sync["rollout_s"], "learner_s": april_learn,
+        "weight_sync_s": ws,
+        "kv_peak_gb": max(april["kv_peak_tokens"], sync["kv_peak_tokens"]) * kv_bytes / 1e9,
+        "running_rows_mean": april["running_rows_mean"], "sync_running_rows_mean": sync["running_rows_mean"],
+        "retractions": april["retractions"], "prefill_per_decoded": april["prefill_per_decoded"],
+        "control_plane_cpu_s_per_step": april["control_plane_cpu_s_per_step"],
+        "sync_control_plane_cpu_s_per_step": sync["control_plane_cpu_s_per_step"],
+        "control_plane_share_of_rollout": april["control_plane_cpu_s_per_step"] / april["rollout_s"],
+        "engine_side_cpu_s_per_step": april["worker_and_loop_cpu_s_per_step"] + april["engine_sim_cpu_s_per_step"],
+        "lost_groups": april["lost_groups"] + sync["lost_groups"],
+        "duplicated_samples": april["duplicated_samples"] + sync["duplicated_samples"],
+        "samples_with_wrong_length": april["samples_with_wrong_length"] + sync["samples_with_wrong_length"],
+        "sim_cpu_s": april["sim_cpu_s"] + sync["sim_cpu_s"],
+    }
+
+
+def control_plane_limit(rows: list[dict], factors: list[float]) -> dict:
+    """Per factor: the GPU count at which the monitor's CPU per step would reach the rollout's own time,
+    extrapolated as a power law through the two largest measured counts (it must fit in the step: the
+    monitor is one thread)."""
+    out = {}
+    for f in factors:
+        pts = sorted((r["gpus"], r["control_plane_cpu_s_per_step"], r["rollout_s"]) for r in rows if r["factor"] == f)
+        over = [g for g, cp, roll in pts if cp >= roll]
+        if over:
+            out[str(f)] = {"gpus": over[0], "how": "measured"}
+        elif len(pts) >= 2 and pts[-1][1] > pts[-2][1] > 0:
+            import math
+            (g1, c1, _), (g2, c2, r2) = pts[-2], pts[-1]
+            k = math.log(c2 / c1) / math.log(g2 / g1)
+            out[str(f)] = {"gpus": round(g2 * (r2 / c2) ** (1 / k)), "exponent": k, "how": "extrapolated"}
+    return out
+
+
+def format_row(r: dict) -> str:
+    return (f"gpus {r['gpus']:5d}  N'/N {r['factor']:<4g} sync {r['sync_utilization']:.3f}  APRIL "
+            f"{r['april_utilization']:.3f}  speedup {r['speedup']:.2f}  off-policy {r['off_policy_token_ratio']:.2f}  "
+            f"step {r['step_s']:.0f} s (sync {r['sync_step_s']:.0f})  KV peak {r['kv_peak_gb']:.1f} GB  "
+            f"control plane {r['control_plane_cpu_s_per_step']:.3f} s/step  [sim {r['sim_cpu_s']:.1f} s CPU]")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, g in enumerate(sorted({r["gpus"] for r in rows})):
+        rs = sorted((r for r in rows if r["gpus"] == g), key=lambda r: r["factor"])
+        line, = ax.plot([r["factor"] for r in rs], [r["april_utilization"] for r in rs], "o-", label=f"APRIL, {g} GPUs")
+        ax.axhline(rs[0]["sync_utilization"], color=line.get_color(), ls=":", lw=1,
+                   label=f"sync, {g} GPUs")
+    ax.set_xlabel("over-provisioning N'/N")
+    ax.set_ylabel("utilization of the saturated ceiling")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    cfg, sim, args = parse()
+    t0, c0 = time.time(), time.process_time()
+    if args.measure_cpu:
+        from april_ray.sim.calibrate import measure
+
+        write_result(args.measure_cpu, measure(cfg))
+        return
+    if args.calibrate:
+        from april_ray.sim.calibrate import calibrate
+
+        result = calibrate(cfg, sim, json.loads(Path(args.cpu_costs).read_text()),
+                           json.loads(Path(args.measured).read_text()))
+    else:
+        gpus = [int(g) for g in args.gpus.split(",")]
+        factors = [float(f) for f in args.factors.split(",")] if args.factors else \
+            [cfg.rollout.over_sampling_batch_size / cfg.rollout.rollout_batch_size]
+        result = simulate_gpus(cfg, sim, gpus, factors)
+        if args.plot:
+            plot(result["results"], args.plot)
+    result = {"wall_s": time.time() - t0, "cpu_s": time.process_time() - c0, **result}
+    write_result(args.json, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""The simulator (april_ray/sim/): virtual time, the simulated engine's contract, the cost model, the real
+rollout on simulated engines, and `jobs.simulate`'s output."""
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+from april_ray.config import Config, RolloutConfig, StalenessConfig
+from april_ray.sim.clock import SimulationStalled, VirtualLoop, run_virtual
+from april_ray.sim.cluster import CONTROL_PLANE, Schedule, Setting, saturated
+from april_ray.sim.engine import SimEngine
+from april_ray.sim.hardware import ACCELERATORS, StepCost, gpu_step_cost, kv_capacity_tokens, model_spec
+from april_ray.sim.workload import LengthModel, Workload
+from april_ray.types import FinishReason, GenerateRequest, SamplingParams
+
+FLAT = StepCost(0.0, ((0.01, 0.0, 0.0),), 0.0, 0.0)
+"""10 ms a step whatever the batch: a GPU's decode bound by reading the weights, in caricature."""
+
+
+def test_virtual_clock_jumps_instead_of_sleeping():
+    async def main(loop):
+        t0 = loop.time()
+        await asyncio.sleep(60.0)
+        done, _ = await asyncio.wait([asyncio.ensure_future(asyncio.sleep(5.0))], timeout=30.0)
+        return loop.time() - t0, len(done)
+
+    real = time.perf_counter()
+    elapsed, done = run_virtual(main)
+    assert elapsed == pytest.approx(65.0) and done == 1
+    assert time.perf_counter() - real < 1.0
+
+
+def test_virtual_clock_reports_a_deadlock_instead_of_hanging():
+    async def main(loop):
+        await loop.create_future()
+
+    with pytest.raises(SimulationStalled):
+        run_virtual(main)
+
+
+def test_watched_cpu_is_charged_to_its_account_and_to_the_clock():
+    async def busy():
+        t = time.process_time()
+        while time.process_time() - t < 0.02:
+            pass
+
+    async def main(loop):
+        loop.clocked.add("cp")
+        await loop.spawn(busy(), "cp")
+        return loop.time(), loop.cpu["cp"]
+
+    now, cpu = run_virtual(main)
+    assert cpu >= 0.02 and now == pytest.approx(cpu)
+
+
+# -- the cost model ------------------------------------------------------------------------------------
+def test_qwen3_4b_sizes_and_h100_capacity_by_hand():
+    m = model_spec("/nonexistent/Qwen3-4B")
+    assert m.num_params == pytest.approx(4.02e9, rel=0.01)  # model card: 4.0B
+    assert m.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2 == 147456
+    acc = ACCELERATORS["h100"]
+    assert kv_capacity_tokens(m, acc, 1, 0.8) == int((80e9 * 0.8 - m.num_params * 2) // 147456)
+    with pytest.raises(ValueError, match="model.path"):
+        model_spec("/nonexistent/Unknown-7B")
+
+
+def test_decode_cost_against_hand_computation():
+    m, acc = model_spec("/x/Qwen3-4B"), ACCELERATORS["h100"]
+    cost = gpu_step_cost(m, acc, 1, 0.002, 0.8, 0.5)
+    bw, fl = 3.35e12 * 0.8, 989.4e12 * 0.5
+    rows, ctx = 64, 64 * 4000
+    memory = (m.num_params * 2 + ctx * 147456) / bw
+    compute = (2 * m.num_params * rows + 4 * 36 * 32 * 128 * ctx) / fl
+    assert cost.step(rows, ctx) == pytest.approx(0.002 + max(memory, compute))
+    # a span of n steps is the sum of its steps, each with `rows` more tokens of context
+    n = 37
+    assert cost.decode_span(rows, ctx, n) == pytest.approx(sum(cost.step(rows, ctx + rows * j) for j in range(n)))
+    # where compute overtakes memory inside the span (a large batch of short rows), still exact
+    big = StepCost(0.0, ((1.0, 0.0, 0.01), (3.0, 0.0, 0.0)), 0.0, 0.0)
+    assert big.decode_span(1, 0.0, 500) == pytest.approx(sum(big.step(1, j) for j in range(500)))
+    assert big.steps_within(1, 0.0, 500, big.decode_span(1, 0.0, 123)) == 123
+    prefill = cost.admission([(0, 1000), (200, 300)])
+    pairs = 1000 * 1001 / 2 + (300 * 301 - 200 * 201) / 2
+    assert prefill == pytest.approx((1100 * 2 * m.num_params + pairs * 4 * 36 * 32 * 128) / fl)
+
+
+# -- the simulated engine ------------------------------------------------------------------------------
+class Lengths:
+    """Every request's response ends at `length` blocks (the prompt is one block)."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, request):
+        return self.length - (len(request.input_ids) - 1), 0
+
+
+def request(rid, done=0, budget=100):
+    return GenerateRequest(rid, [0] * (1 + done), SamplingParams(max_new_tokens=budget))
+
+
+def test_engine_finishes_at_the_drawn_length_and_stamps_versions():
+    async def main(loop):
+        e = SimEngine(FLAT, Lengths(30), max_num_seqs=4, kv_capacity=10_000, max_prefill_tokens=1000, version=3)
+        out = await e.generate(request("a@0"))
+        return out, loop.time()
+
+    out, now = run_virtual(main)
+    assert out.finish_reason == FinishReason.STOP and out.num_tokens == 30 and out.versions == [3] * 30
+    assert now == pytest.approx(0.30)
+
+
+def test_abort_returns_partial_tokens_and_resume_continues_with_the_remaining_budget():
+    async def main(loop):
+        e = SimEngine(FLAT, Lengths(50), max_num_seqs=4, kv_capacity=10_000, max_prefill_tokens=1000)
+        task = asyncio.ensure_future(e.generate(request("a@0", budget=60)))
+        await asyncio.sleep(0.105)  # 10 steps done, the 11th in progress: it completes, then the abort
+        assert e.abort("a@0") and not e.abort("unknown")
+        first = await task
+        e.update_weights(None, 1)
+        second = await e.generate(request("a@1", done=first.num_tokens, budget=60 - first.num_tokens))
+        return first, second
+
+    first, second = run_virtual(main)
+    assert first.finish_reason == FinishReason.ABORT and first.num_tokens == 11 and first.versions == [0] * 11
+    assert second.finish_reason == FinishReason.STOP and second.num_tokens == 39 and second.versions == [1] * 39
+
+
+def test_budget_ends_a_sample_with_reason_length():
+    async def main(loop):
+        e = SimEngine(FLAT, Lengths(500), max_num_seqs=4, kv_capacity=10_000, max_prefill_tokens=1000)
+        return await e.generate(request("a@0", budget=40))
+
+    out = run_virtual(main)
+    assert out.finish_reason == FinishReason.LENGTH and out.num_tokens == 40
+
+
+def test_kv_capacity_holds_requests_back_and_never_overflows():
+    async def main(loop):
+        e = SimEngine(FLAT, Lengths(100), max_num_seqs=64, kv_capacity=350, max_prefill_tokens=1000)
+        outs = await asyncio.gather(*[e.generate(request(f"r{i}@0")) for i in range(8)])
+        return e, outs
+
+    e, outs = run_virtual(main)
+    assert all(o.num_tokens == 100 and o.finish_reason == FinishReason.STOP for o in outs)
+    assert e.peak_context <= 350
+    assert e.num_retracted > 0  # 3 rows of 1 + 100 do not fit 350: the newest is retracted and waits
+
+
+def test_running_rows_capped_and_parked_cache_skips_the_prefill():
+    async def main(loop):
+        e = SimEngine(FLAT, Lengths(40), max_num_seqs=2, kv_capacity=10_000, max_prefill_tokens=1000,
+                      park_slots=4, stale_kv_versions=1)
+        tasks = [asyncio.ensure_future(e.generate(request(f"s{i}@0"))) for i in range(3)]
+        await asyncio.sleep(0.055)
+        assert len(e.running) == 2 and len(e.waiting) == 1
+        e.abort_all()
+        outs = await asyncio.gather(*tasks)
+        prefilled = e.num_prefill
+        e.update_weights(None, 1)
+        n = outs[0].num_tokens
+        again = await e.generate(request(f"s0@1", done=n, budget=100 - n))
+        return outs, again, e.num_prefill - prefilled, e.num_reused
+
+    outs, again, prefilled, reused = run_virtual(main)
+    assert [o.num_tokens for o in outs] == [6, 6, 0]
+    assert again.num_tokens == 34 and prefilled == 0 and reused == 7
+
+
+# -- the real rollout on simulated engines --------------------------------------------------------------
+def small_setting(cost=FLAT, engines=2, lengths=None, block=1, max_len=400) -> Setting:
+    lengths = lengths or LengthModel("lognormal", 40, 1.0, 0.5, seed=0)
+    wl = Workload(lengths, [8] * 500, block, max_len)
+    return Setting(wl, cost, engines, 16, 100_000, 4096, StalenessConfig(4, "keep"))
+
+
+def rollout(n=4, factor=None, dynamic_filter=False):
+    return RolloutConfig(rollout_batch_size=n, over_sampling_batch_size=n if factor is None else int(factor * n),
+                         n_samples_per_prompt=4, partial_rollout=factor is not None, dynamic_filter=dynamic_filter)
+
+
+@pytest.mark.parametrize("factor", [None, 1.0, 2.0])
+def test_accounting_invariant_after_every_simulated_step(factor):
+    async def main(loop):
+        loop.clocked.add(CONTROL_PLANE)
+        s = Schedule("x", small_setting(), rollout(factor=factor, dynamic_filter=True), loop)
+        for step in range(10):
+            await s.step(step, measured=True)  # asserts: taken = returned + dropped + stored
+            assert sum(e.running.__len__() + len(e.waiting) for e in s.engines) == 0
+        return s
+
+    s = run_virtual(main)
+    summary = s.summary(1.0)
+    assert summary["duplicated_samples"] == 0 and summary["samples_with_wrong_length"] == 0
+    assert s.monitor.num_returned_groups == 40 and s.monitor.num_dropped_groups == 0
+    if factor:
+        assert summary["off_policy_token_ratio"] > 0 and s.store.partial
+
+
+def test_a_filtered_share_of_prompts_is_dropped_by_the_real_filter_and_refilled():
+    async def main(loop):
+        wl = Workload(LengthModel("lognormal", 20, 0.5, 0.5, 0), [8] * 500, 1, 200, filtered_fraction=0.3)
+        setting = Setting(wl, FLAT, 2, 16, 100_000, 4096, StalenessConfig(4, "keep"))
+        s = Schedule("x", setting, rollout(factor=2.0, dynamic_filter=True), loop)
+        for step in range(6):
+            await s.step(step, measured=True)
+        return s
+
+    s = run_virtual(main)
+    assert s.monitor.num_returned_groups == 24 and s.monitor.num_dropped_groups > 0
+
+
+def test_flat_step_cost_leaves_sync_far_below_april():
+    """A step that costs the same at any batch (a GPU bound by its weights): the draining synchronous
+    batch wastes most of it, APRIL keeps it full."""
+
+    def util(factor):
+        async def main(loop):
+            setting = small_setting(engines=1, lengths=LengthModel("lognormal", 40, 1.0, 0.5, seed=1))
+            ceiling = await saturated(setting, loop, 4)
+            s = Schedule("x", setting, rollout(n=4, factor=factor), loop)
+            await s.run(8, 3)
+            return s.summary(ceiling)["utilization"]
+
+        return run_virtual(main)
+
+    sync, april = util(None), util(2.0)
+    assert sync < 0.45 and april > sync + 0.25
+
+
+def test_sixty_virtual_seconds_of_rollout_take_well_under_a_second():
+    async def main(loop):
+        s = Schedule("x", small_setting(), rollout(factor=2.0), loop)
+        while loop.time() < 60.0:
+            await s.step(len(s.records), measured=True)
+        return loop.time()
+
+    real = time.process_time()
+    assert run_virtual(main) >= 60.0
+    assert time.process_time() - real < 1.0
+
+
+# -- the job ---------------------------------------------------------------------------------------------
+def test_jobs_simulate_writes_the_promised_keys(tmp_path):
+    out, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    cmd = [sys.executable, "-m", "jobs.simulate", "--config", "configs/qwen3_4b_dapo.yaml", "--gpus", "8,16",
+           "--factors", "1.5,2", "--json", str(out), "--plot", str(png), "simulate.steps=2", "simulate.warmup_steps=1",
+           "simulate.length_median=300", "sampling.max_response_len=2048", "engine.max_model_len=3072"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert {"wall_s", "assumptions", "results"} <= result.keys() and png.stat().st_size > 0
+    assert len(result["results"]) == 4
+    for row in result["results"]:
+        assert {"gpus", "factor", "sync_utilization", "april_utilization", "speedup", "off_policy_token_ratio",
+                "step_s", "control_plane_cpu_s_per_step"} <= row.keys()
+        assert 0 < row["sync_utilization"] <= 1.05 and 0 < row["april_utilization"] <= 1.05
+        assert row["lost_groups"] == row["duplicated_samples"] == row["samples_with_wrong_length"] == 0
+        assert math.isfinite(row["step_s"]) and row["step_s"] > 0
+    assert result["assumptions"]["accelerator"]["bandwidth"] == 3.35e12
