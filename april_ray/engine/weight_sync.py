@@ -44,12 +44,28 @@ def init_custom_process_group(backend: str, master_address: str, master_port: in
     from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-    store = PrefixStore(group_name, store)
+    store = PrefixStore(group_name, tcp_store(master_address, master_port, world_size, rank == 0, timeout))
     pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
                                       group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def tcp_store(address: str, port: int, world_size: int, is_master: bool, timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore whose server (on the master) listens on `address` only: left to itself it listens on every
+    interface (::) whatever address it is given; handed a socket bound to the address
+    (`master_listen_fd`), it listens there (127.0.0.1 on one node; tests/test_listeners.py)."""
+    import socket
+
+    if not is_master:
+        return dist.TCPStore(address, port, world_size, False, timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, port))
+    sock.listen()
+    store = dist.TCPStore(address, port, world_size, True, timeout, master_listen_fd=sock.fileno())
+    sock.detach()  # the store's server owns the descriptor now
+    return store
 
 
 def destroy_group(pg) -> None:

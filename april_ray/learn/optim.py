@@ -113,6 +113,19 @@ def build_optim(model, cfg: LearnerConfig, rank: int, world_size: int, master_po
     return TorchOptim(model, cfg)
 
 
+def init_process_group(backend: str, rank: int, world_size: int, master_port: int) -> None:
+    """torch.distributed over a TCPStore that rank 0 hosts on MASTER_ADDR only (`weight_sync.tcp_store`:
+    the store's server otherwise listens on every interface)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from april_ray.engine.weight_sync import tcp_store
+
+    store = tcp_store(os.environ["MASTER_ADDR"], master_port, world_size, rank == 0, timedelta(minutes=10))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+
+
 def init_deepspeed(model, optimizer, cfg: LearnerConfig, rank: int, world_size: int, master_port: int):
     """A module-level function on purpose: Ray cannot pickle actor methods that touch `deepspeed.ops`."""
     import deepspeed
@@ -122,7 +135,8 @@ def init_deepspeed(model, optimizer, cfg: LearnerConfig, rank: int, world_size: 
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skips a 40 s JIT build on CPU
-    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False)
+    init_process_group("nccl" if on_gpu else "gloo", rank, world_size, master_port)
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False)  # adopts it
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
