@@ -3,24 +3,48 @@
 One actor per engine; it serves many concurrent `generate_group` calls on its event loop. A call returns
 two object refs: the small `SampleMeta`s that the monitor reads, and the samples, which only their
 consumer (the store, or a learner rank) ever fetches.
+
+The driver starts it with Ray's `max_restarts` (driver/engines.py). A restarted process has loaded its
+initial weights, not the current ones, so it serves nothing (`EngineFailure`: the monitor re-dispatches
+elsewhere) until an `update_weights` brings it to the current policy version.
 """
 from __future__ import annotations
+
+import os
+import uuid
+import warnings
 
 import ray
 
 from actors.metrics import EngineMetrics
 from actors.refs import fetch_async
-from april_ray.config import EngineConfig, SamplingConfig, StalenessConfig
+from april_ray.config import EngineConfig, SamplingConfig, StalenessConfig, TaskConfig
 from april_ray.rollout.engine_worker import build_worker
+from april_ray.rollout.monitor import EngineFailure
 
 
 @ray.remote
 class EngineWorkerActor:
     def __init__(self, engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig,
-                 task_name: str, model_path: str, version: int = 0, index: int = 0):
-        self.worker = build_worker(engine_cfg, sampling_cfg, staleness, task_name, model_path, version)
+                 task: TaskConfig, model_path: str, version: int = 0, index: int = 0):
+        self.worker = build_worker(engine_cfg, sampling_cfg, staleness, task, model_path, version)
         self.metrics = EngineMetrics(index, engine_cfg.max_num_seqs)
         self.metrics.set_version(version)
+        self.index, self.version = index, version
+        self.incarnation = uuid.uuid4().hex[:8]
+        with warnings.catch_warnings():  # Ray's property reads its own deprecated `actor_id`
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.serving = not ray.get_runtime_context().was_current_actor_reconstructed
+        """False after a restart, until `update_weights`: its weights are the initial ones."""
+
+    def _check_serving(self) -> None:
+        if not self.serving:
+            raise EngineFailure(f"engine {self.index} was restarted (incarnation {self.incarnation}) and has "
+                                f"not received the current weights yet")
+
+    async def status(self) -> dict:
+        """Which process this is, whether it serves, and its policy version (the driver's restart check)."""
+        return {"incarnation": self.incarnation, "serving": self.serving, "version": self.version, "pid": os.getpid()}
 
     async def generate_group(self, step, samples: list):
         """Call with `.options(num_returns=2)`: the metas (for the monitor), then the list of samples
@@ -30,6 +54,7 @@ class EngineWorkerActor:
         by someone else's abort is re-sent by its handle), in one list argument: Ray serializes each
         top-level argument on its own, and one list cost the monitor ~0.4 ms a call to submit against
         ~0.6 ms for a group's eight samples as separate arguments."""
+        self._check_serving()
         self.metrics.call_started(self.worker.stats)
         try:
             return await self.worker.generate_group(await fetch_async(samples), step)
@@ -37,9 +62,11 @@ class EngineWorkerActor:
             self.metrics.call_ended()
 
     async def throughput_probe(self, prompts: list[list[int]], concurrency: int, seconds: float):
+        self._check_serving()
         return await self.worker.throughput_probe(prompts, concurrency, seconds)
 
     async def evaluate(self, items, temperature: float, tag: str) -> list[float]:
+        self._check_serving()
         return await self.worker.evaluate(items, temperature, tag)
 
     async def abort_all(self, step) -> int:
@@ -48,6 +75,7 @@ class EngineWorkerActor:
     async def update_weights(self, state_dict, version: int) -> None:
         self.worker.update_weights(state_dict, version)
         self.metrics.set_version(version)
+        self.version, self.serving = version, True
 
     async def server_url(self) -> str:
         """engine.backend=sglang: where this engine's server answers (the learner sends weights there)."""

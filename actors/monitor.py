@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import OutOfMemoryError, RayActorError
 
 from actors.metrics import MonitorMetrics
 from actors.refs import SampleRef, as_handles
@@ -35,14 +35,15 @@ class RayEnginePool:
     async def _meta(ref):
         try:
             return await ref
-        except RayActorError as e:
+        # dead (also: killed by Ray's OOM killer), or restarted and not yet given the current weights
+        except (RayActorError, OutOfMemoryError, EngineFailure) as e:
             raise EngineFailure(str(e)) from e
 
     async def abort_all(self, step, engines: list[int]) -> None:
         results = await asyncio.gather(*[self.engines[e].abort_all.remote(step) for e in engines],
                                        return_exceptions=True)
         for r in results:  # a dead engine's calls fail on their own; anything else is a bug
-            if isinstance(r, Exception) and not isinstance(r, RayActorError):
+            if isinstance(r, Exception) and not isinstance(r, (RayActorError, OutOfMemoryError)):
                 raise r
 
 
@@ -59,6 +60,10 @@ class CompletionMonitorActor:
         result.dropped_groups = as_handles(result.dropped_groups)
         self.metrics.record(result.metrics, result.staleness, self.monitor.alive)
         return result
+
+    async def revive(self, engines: list[int]) -> None:
+        """Engines restarted and brought to the current weights by the driver (driver/engines.py)."""
+        self.monitor.revive(engines)
 
     async def counters(self) -> dict:
         self.metrics.engines_seen(self.monitor.alive)

@@ -9,14 +9,15 @@ from april_ray.rollout.prompt_source import PromptSource
 @ray.remote(num_cpus=0)
 class PromptSourceActor:
     def __init__(self, data_path: str, prompt_key: str, answer_key: str, model_path: str, n_samples: int,
-                 max_response_len: int, seed: int):
+                 max_response_len: int, seed: int, max_prompt_tokens: int, overlong_prompts: str):
         from transformers import AutoTokenizer
 
-        from april_ray.task.data import read_examples
+        from april_ray.task.data import fit_context, read_examples
 
         tok = AutoTokenizer.from_pretrained(model_path)
-        self.source = PromptSource(read_examples(data_path, prompt_key, answer_key), tok.encode, n_samples,
-                                   max_response_len, seed)
+        examples = fit_context(read_examples(data_path, prompt_key, answer_key), tok.encode, max_prompt_tokens,
+                               overlong_prompts, "task.overlong_prompts")
+        self.source = PromptSource(examples, tok.encode, n_samples, max_response_len, seed)
 
     def take(self, num_groups: int, step: int):
         return self.source.take(num_groups, step)

@@ -105,6 +105,14 @@ class TaskConfig:
     max_step: int = positive(3)
     """Countdown steps are drawn from 1..max_step; larger steps make the arithmetic harder."""
     length: LengthConfig = field(default_factory=LengthConfig)
+    overlong_prompts: str = one_of("fail", "fail", "skip")
+    """Prompts (train and eval) longer than engine.max_model_len - sampling.max_response_len tokens. fail
+    (the default: checked when the job starts, so it costs seconds, and a silently smaller dataset would
+    change what the run trains on and what held-out accuracy means): stop, naming the file and line.
+    skip: drop them, warning with their count and first lines."""
+    reward_timeout_s: float = positive(30.0)
+    """A reward call running longer gets reward 0 and counts in rollout/reward_errors (as does one that
+    raises); the job goes on. It runs in a thread, so the engine's event loop never waits for it."""
 
 
 @dataclass
@@ -182,6 +190,9 @@ class RolloutConfig:
     """A step fails (with every sample kept in the store) once the filter has dropped more groups than this."""
     abort_resend_s: float = positive(2.0)
     """Re-send the abort if requests are still outstanding after this long (aborts are idempotent)."""
+    engine_wait_s: float = positive(600.0)
+    """With every engine dead mid-step, wait this long for one to be restarted and handed back (with the
+    current weights) before the step fails, its samples stored."""
 
 
 @dataclass
@@ -190,10 +201,20 @@ class StalenessConfig:
 
     max_versions: int = non_negative(4)
     """A token sampled by policy version v is stale once the policy being trained is past v + max_versions."""
-    policy: str = one_of("keep", "keep", "restart", "mask")
-    """restart: the store restarts a partial sample whose oldest token is stale from its prompt (its tokens
-    are counted as discarded). mask: stale tokens are kept but masked out of the loss. keep: nothing is
-    enforced; every token is trained, corrected by truncated IS only."""
+    policy: str = one_of("mask", "keep", "restart", "mask")
+    """mask (the default): stale tokens are kept, and the learner masks them out of the loss, wherever they
+    waited (partial in the store, or a finished member of a group that waited for its siblings, or a
+    surplus group). restart: the store also restarts a partial sample whose oldest token is stale from its
+    prompt (its tokens counted as discarded), and the learner masks what still went stale (finished
+    members and surplus groups are never restarted). keep: nothing is enforced; every token is trained,
+    corrected by truncated IS only. mask is the default because it bounds every trained token at the cost
+    of the few masked ones, while restart throws whole samples away and can restart a response longer
+    than the bound's worth of steps forever (docs/architecture.md, "The life of a sample")."""
+
+    @property
+    def mask_older_than(self) -> int:
+        """The learner's mask: tokens older than this many versions are not trained (-1: none, `keep`)."""
+        return -1 if self.policy == "keep" else self.max_versions
 
 
 @dataclass

@@ -3,18 +3,33 @@ weight publishing and engine statistics.
 
 Engines are started once and outlive a rollout configuration, so benchmarks can compare modes on the
 very same engines and data.
+
+An engine whose process dies is restarted by Ray (`max_restarts`) in its own placement-group bundle,
+under the same actor handle, so the monitor, the evaluator and the driver keep addressing it as before.
+The restarted process holds its initial weights and refuses work (actors/engine_worker.py) until
+`catch_up` gives it the latest published weights; `run_step` does that while a rollout step runs and hands
+it back to the monitor. Every other call here skips or retries an engine that is down instead of failing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, field
 
 import ray
+from ray.exceptions import OutOfMemoryError, RayActorError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.engine_worker import EngineWorkerActor
 from april_ray.config import Config
 from april_ray.placement import Layout, actor_resources
+from april_ray.rollout.monitor import EngineFailure
+
+log = logging.getLogger(__name__)
+DOWN = (RayActorError, OutOfMemoryError, EngineFailure)
+"""What a call to an engine raises while it is dead (or killed by Ray's OOM killer), restarting, or
+restarted without the current weights."""
 
 
 @dataclass
@@ -24,6 +39,14 @@ class EngineGroup:
     placement_group: object
     layout: Layout
     """The placement plan; learner ranks go into its learner bundles."""
+    weights: tuple = (None, 0)
+    """(object ref, version) of the latest published weights: what a restarted engine is brought to. Holding
+    the ref keeps one copy of the weights in the object store until the next publish replaces it."""
+    incarnations: list = field(default_factory=list)
+    """Each engine process's incarnation id as last seen (`status`); a new one is a restart."""
+    restarts: int = 0
+    stats_skipped: int = 0
+    """Engine statistics calls that found the engine down (that engine's stats are missing for the step)."""
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, layout: Layout, version: int = 0,
@@ -37,16 +60,69 @@ class EngineGroup:
             EngineWorkerActor.options(
                 **actor_resources(layout, b),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
-            ).remote(cfg.engine, cfg.sampling, cfg.staleness, cfg.task.name, str(model_path), version, index)
+                max_restarts=-1,  # a dead engine comes back in its bundle, under the same handle
+            ).remote(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, str(model_path), version, index)
             for index, b in enumerate(layout.engine_bundles)
         ]
-        ray.get([e.stats.remote() for e in actors])  # loaded and serving
-        return cls(actors, [cfg.engine.max_num_seqs] * len(actors), pg, layout)
+        status = ray.get([e.status.remote() for e in actors])  # loaded and serving
+        return cls(actors, [cfg.engine.max_num_seqs] * len(actors), pg, layout, (None, version),
+                   [st["incarnation"] for st in status])
 
     def publish(self, weights_ref, version: int) -> None:
         """Every engine adopts the weights behind one object ref (one `ray.put`, no per-engine copies);
-        `None`: the weights reached the servers by another channel, only the version is new."""
-        ray.get([e.update_weights.remote(weights_ref, version) for e in self.actors])
+        `None`: the weights reached the servers by another channel, only the version is new.
+
+        An engine that is down misses them; it refuses work until `catch_up` brings it to this version."""
+        self.weights = (weights_ref, version)
+        for e, out in enumerate(settle([a.update_weights.remote(weights_ref, version) for a in self.actors])):
+            if isinstance(out, Exception):
+                log.warning("engine %d missed the weights of version %d (%s): caught up once it is back",
+                            e, version, type(out).__name__)
+
+    def catch_up(self, engines: list[int], wait_s: float) -> list[int]:
+        """Of `engines`, those that answer within `wait_s` and now serve the latest weights (restarted ones
+        get them first); counts restarts. The others are still down."""
+        ref, version = self.weights
+        status = settle([self.actors[e].status.remote() for e in engines], wait_s)
+        behind = []
+        for e, st in zip(engines, status):
+            if isinstance(st, Exception):
+                continue
+            if st["incarnation"] != self.incarnations[e]:
+                self.incarnations[e] = st["incarnation"]
+                self.restarts += 1
+            if not st["serving"] or st["version"] != version:
+                if ref is None and version > 0:
+                    raise RuntimeError(f"engine {e} was restarted, and the weights of version {version} reached the "
+                                       "engines by another channel than the object store (engine.weight_sync): "
+                                       "restarted engines are caught up only from an object-store publish")
+                behind.append(e)
+        done = settle([self.actors[e].update_weights.remote(ref, version) for e in behind], wait_s)
+        failed = {e for e, out in zip(behind, done) if isinstance(out, Exception)}
+        return [e for e, st in zip(engines, status) if not isinstance(st, Exception) and e not in failed]
+
+    def serving(self, wait_s: float = 300.0) -> list[int]:
+        """Every engine that serves the latest weights, waiting up to `wait_s` for at least one."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            up = self.catch_up(list(range(len(self.actors))), wait_s=2.0)
+            if up or time.monotonic() > deadline:
+                return up
+            time.sleep(1.0)
+
+    def run_step(self, monitor, step: int, version: int, poll_s: float = 1.0):
+        """One rollout step of `monitor`; meanwhile, engines it lost are caught up as soon as they are back
+        and handed back to it, so a step goes on (or, with every engine dead, resumes) without waiting for
+        its end. Returns the `StepResult`."""
+        ref = monitor.step.remote(step, version)
+        while True:
+            alive = ray.get(monitor.counters.remote())["alive_engines"]
+            dead = [e for e, ok in enumerate(alive) if not ok]
+            back = self.catch_up(dead, wait_s=poll_s) if dead else []
+            if back:
+                ray.get(monitor.revive.remote(back))
+            if ray.wait([ref], timeout=poll_s)[0]:
+                return ray.get(ref)
 
     def urls(self) -> list[str]:
         """engine.backend=sglang: each engine's server, in engine order."""
@@ -59,24 +135,48 @@ class EngineGroup:
     def resume_memory(self, tags: list[str]) -> None:
         ray.get([e.resume_memory.remote(tags) for e in self.actors])
 
-    def stats(self, drain: bool = True):
-        return ray.get([e.stats.remote(drain) for e in self.actors])
+    def stats(self, drain: bool = True) -> list:
+        """Each engine's statistics; None for an engine that is down (counted in `stats_skipped`)."""
+        stats = settle([e.stats.remote(drain) for e in self.actors], timeout_s=10.0)
+        self.stats_skipped += sum(isinstance(st, Exception) for st in stats)
+        return [None if isinstance(st, Exception) else st for st in stats]
 
     def occupancy_metrics(self) -> dict[str, float]:
         """Running-batch occupancy since the last call (mean over decode steps, as a fraction of the cap)."""
         stats = self.stats(drain=True)
-        points = [n / cap for st, cap in zip(stats, self.capacities) for _, n in st.occupancy]
+        stats, caps = [st for st in stats if st is not None], [c for st, c in zip(stats, self.capacities) if st]
+        if not stats:
+            return {"engine/stats_skipped": self.stats_skipped, "engine/restarts": self.restarts}
+        points = [n / cap for st, cap in zip(stats, caps) for _, n in st.occupancy]
         return {"engine/occupancy_mean": sum(points) / max(1, len(points)),
                 "engine/busy_s": sum(st.busy_s for st in stats),
                 "engine/generated_tokens_total": sum(st.num_generated_tokens for st in stats),
                 "engine/prefill_tokens_total": sum(st.num_prefill_tokens for st in stats),
                 "engine/reused_kv_tokens_total": sum(st.num_reused_tokens for st in stats),
-                "engine/version_min": min(st.version for st in stats)}
+                "engine/version_min": min(st.version for st in stats),
+                "rollout/reward_errors": sum(st.reward_errors for st in stats),
+                "engine/stats_skipped": self.stats_skipped, "engine/restarts": self.restarts}
 
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
         ray.util.remove_placement_group(self.placement_group)
+
+
+def settle(refs: list, timeout_s: float | None = None) -> list:
+    """The value of each call, or the exception of an engine that is down (`DOWN`, or a call still
+    unanswered after `timeout_s`); any other error is raised."""
+    if timeout_s is not None and refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref, timeout=0 if timeout_s is not None else None))
+        except DOWN as e:
+            out.append(e)
+        except ray.exceptions.GetTimeoutError as e:
+            out.append(e)
+    return out
 
 
 def check_resources(layout: Layout) -> None:

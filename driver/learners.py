@@ -31,7 +31,7 @@ class LearnerGroup:
         ]
         master = ray.get(self.actors[0].rendezvous.remote())
         world = len(self.actors)
-        mask_older_than = cfg.staleness.max_versions if cfg.staleness.policy == "mask" else -1
+        mask_older_than = cfg.staleness.mask_older_than
         ray.get([a.setup.remote(cfg.learner, cfg.algorithm, cfg.sampling.temperature, cfg.sampling.max_response_len,
                                 mask_older_than, str(model_path), r, world, master, cfg.train.seed)
                  for r, a in enumerate(self.actors)])

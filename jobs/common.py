@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
 
-# Every Ray listener on 127.0.0.1 (Ray otherwise takes the machine's address), no usage stats, and one
-# auth mode everywhere (a local ray.init turns token auth on, which `ray job submit` then lacks).
+# No usage stats, and one auth mode everywhere (a local ray.init turns token auth on, which `ray job submit`
+# then lacks). A local cluster's listeners are put on 127.0.0.1 by `init_ray`.
 for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
                    "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(key, value)
@@ -42,8 +43,61 @@ def init_ray(layout, logging: LoggingConfig | None = None, address: str | None =
     need = sum(b.get("CPU", 0) for b in layout.bundles) + 1
     dashboard = logging is not None and logging.dashboard
     # ray.init logs the dashboard's address ("View the dashboard at ...")
+    # The node's address is what Ray's gRPC servers (GCS, raylet, every worker) and its agents bind to:
+    # left to Ray it is the machine's address, with the servers on 0.0.0.0 / :: (tests/test_listeners.py).
     ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=dashboard,
-             dashboard_host="127.0.0.1", dashboard_port=(logging.dashboard_port or None) if dashboard else None)
+             dashboard_host="127.0.0.1", dashboard_port=(logging.dashboard_port or None) if dashboard else None,
+             _node_ip_address="127.0.0.1")
+    tie_to_driver()
+
+
+_watchdog = None
+"""The watchdog process of this driver's local Ray; its stdin pipe closes when the driver dies."""
+
+
+def tie_to_driver() -> None:
+    """Start a watchdog that ends this driver's local Ray when the driver ends, however it ends.
+
+    Ray 2.60 kills the processes `ray.init` starts (GCS, raylet, dashboard, ...) with the driver through
+    PR_SET_PDEATHSIG, but not the raylet's agents: after a SIGKILLed driver, `ray::DashboardAgent` and
+    `ray::RuntimeEnvAgent` noticed the raylet's death and still lived about 60 s more, trying to report
+    it to the dead GCS. The watchdog (`watch_driver`, in its own session so a terminal's Ctrl-C reaches
+    the driver first) records the driver's descendants while it lives and, when the pipe from the driver
+    closes, terminates those still running."""
+    global _watchdog
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1])
+    code = "import sys; from jobs.common import watch_driver; watch_driver(int(sys.argv[1]))"
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    _watchdog = subprocess.Popen([sys.executable, "-c", code, str(os.getpid())], stdin=subprocess.PIPE,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                 env={**os.environ, "PYTHONPATH": path})
+
+
+def watch_driver(pid: int, poll_s: float = 0.5, grace_s: float = 3.0) -> None:
+    """The watchdog's loop (see `tie_to_driver`): stdin is a pipe whose other end only the driver holds."""
+    import select
+    import sys
+
+    import psutil
+
+    driver, seen = psutil.Process(pid), {}
+    while True:
+        try:
+            seen |= {p.pid: p for p in driver.children(recursive=True) if p.pid != os.getpid()}
+        except psutil.NoSuchProcess:
+            break
+        ready, _, _ = select.select([sys.stdin], [], [], poll_s)
+        if ready and not os.read(sys.stdin.fileno(), 1):
+            break
+    alive = [p for p in seen.values() if p.is_running()]  # is_running also rules out a reused pid
+    for signal in ("terminate", "kill"):
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                getattr(p, signal)()
+        _, alive = psutil.wait_procs(alive, timeout=grace_s)
 
 
 def write_result(path: str | None, result: dict) -> None:

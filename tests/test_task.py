@@ -89,3 +89,170 @@ def test_parquet_with_dapo_layout(tmp_path):
 def test_math_reward_with_math_verify(response, answer, expected):
     assert math_reward("", response, answer) == expected
     assert get_reward_fn("math")("", response, answer) == expected
+
+
+# -- bad input: each answered with an error naming the file and line (or key), nothing lost ------------
+def rows_file(tmp_path, content: bytes, name="d.jsonl"):
+    path = tmp_path / name
+    path.write_bytes(content)
+    return path
+
+
+def test_byte_order_mark_and_crlf_line_ends_are_valid(tmp_path):
+    rows = [{"prompt": "a\r\nb", "answer": "1"}, {"prompt": "é", "answer": 2}]
+    body = "\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n\r\n"
+    examples = read_examples(rows_file(tmp_path, "\ufeff".encode() + body.encode("utf-8")))
+    assert [(e.prompt, e.answer, e.index) for e in examples] == [("a\r\nb", "1", 0), ("é", "2", 1)]
+    assert examples[1].where.endswith("d.jsonl:2")
+
+
+@pytest.mark.parametrize("content,message", [
+    (b'{"prompt": "a", "answer": "1"}\n\n{"prompt": "b", "answer": "2"}\n', r"d\.jsonl:2: empty row"),
+    (b'{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n',
+     r"d\.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 16\)"),
+    (b'{"prompt": "a", "answer": "1"}\n[1, 2]\n', r"d\.jsonl:2: expected an object .* got list"),
+    (b'{"prompt": 5, "answer": "1"}\n', r"d\.jsonl:1: field 'prompt' must be a non-empty string"),
+    (b'{"prompt": "  ", "answer": "1"}\n', r"d\.jsonl:1: field 'prompt' must be a non-empty string"),
+    (b'{"prompt": "a", "answer": null}\n', r"d\.jsonl:1: missing field 'answer'"),
+    (b'{"prompt": "a", "answer": [1]}\n', r"d\.jsonl:1: field 'answer' must be a non-empty string or a number"),
+    (b'{"prompt": "a", "answer": true}\n', r"d\.jsonl:1: field 'answer' must be"),
+    (b'{"prompt": [{"role": "user"}], "answer": "1"}\n', r"d\.jsonl:1: field 'prompt'\[0\]: expected a message"),
+    (b'{"prompt": "a", "answer": "1"}\n{"prompt": "b", "ans', r"d\.jsonl:2: invalid JSON"),
+    (b"\n\n", r"d\.jsonl: no examples"),
+])
+def test_bad_rows_name_the_file_and_line(tmp_path, content, message):
+    with pytest.raises(ValueError, match=message):
+        read_examples(rows_file(tmp_path, content))
+
+
+def test_prompts_longer_than_the_context_fail_or_are_skipped_with_a_count(tmp_path):
+    from april_ray.task.data import fit_context
+
+    rows = [{"prompt": "x" * n, "answer": "1"} for n in (5, 50, 8, 60)]
+    examples = read_examples(rows_file(tmp_path, "".join(json.dumps(r) + "\n" for r in rows).encode()))
+    with pytest.raises(ValueError, match=r"d\.jsonl:2 \(50 tokens\), .*d\.jsonl:4 \(60 tokens\): prompt longer than the "
+                                         r"10 tokens .* \(2 such rows\); raise engine\.max_model_len or set "
+                                         r"task\.overlong_prompts=skip"):
+        fit_context(examples, list, 10, "fail", "task.overlong_prompts")
+    said = []
+    kept = fit_context(examples, list, 10, "skip", "task.overlong_prompts", said.append)
+    assert [e.index for e in kept] == [0, 2]  # rows keep their index in the file
+    assert "skipped 2 of 4 prompts longer than 10 tokens" in said[0] and "d.jsonl:2" in said[0]
+    assert fit_context(examples, list, 100, "fail", "task.overlong_prompts") == examples
+
+
+def test_the_overlong_option_is_in_the_config():
+    from april_ray.config import ConfigError, load_config
+
+    assert load_config(None, ["task.overlong_prompts=skip"]).task.overlong_prompts == "skip"
+    with pytest.raises(ConfigError, match="task.overlong_prompts"):
+        load_config(None, ["task.overlong_prompts=maybe"])
+    with pytest.raises(ConfigError, match="task.reward_timeout_s"):
+        load_config(None, ["task.reward_timeout_s=0"])
+
+
+def test_a_reward_that_raises_hangs_or_returns_no_number_scores_zero_and_is_counted():
+    import asyncio
+    import threading
+    import time
+
+    from april_ray.task.rewards import RewardRunner
+
+    release = threading.Event()
+
+    def reward(prompt, response, answer):
+        if prompt == "raise":
+            raise ZeroDivisionError("bad parse")
+        if prompt == "hang":
+            release.wait(30)
+        if prompt == "nan":
+            return float("nan")
+        if prompt == "none":
+            return None
+        return 1.0
+
+    said = []
+    runner = RewardRunner(reward, timeout_s=0.3, log=said.append)
+
+    async def go():
+        ticks = 0
+
+        async def ticker():  # the event loop keeps turning while a reward hangs
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        t = asyncio.ensure_future(ticker())
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*[runner(p, "r", "a") for p in ("ok", "raise", "hang", "nan", "none", "ok")])
+        t.cancel()
+        return out, time.perf_counter() - t0, ticks
+
+    out, wall, ticks = asyncio.run(go())
+    release.set()
+    assert out == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert runner.drain_errors() == 4 and runner.errors == 0 and runner.total_errors == 4 and runner.hung == 1
+    assert wall < 5 and ticks >= 10
+    assert any("ZeroDivisionError" in s for s in said) and any("task.reward_timeout_s=0.3s" in s for s in said)
+
+
+def test_the_engine_worker_scores_a_failing_reward_zero_and_reports_it_in_stats():
+    import asyncio
+
+    from april_ray.rollout.engine_worker import EngineWorker
+    from april_ray.types import EngineStats, Sample, SampleState, SamplingParams
+    from tests.fakes import FakeEngine
+
+    class Engine(FakeEngine):
+        def stats(self, drain=True):
+            return EngineStats(0, 0, 0.0, 0, 0, self.version, [])
+
+    def reward(prompt, response, answer):
+        if answer == "boom":
+            raise RuntimeError("reward server down")
+        return 1.0
+
+    worker = EngineWorker(Engine(), lambda ids: "x" * len(ids), reward, SamplingParams(), reward_timeout_s=5)
+
+    async def go():
+        samples = [Sample(f"s{i}", "g", "p", answer, [5], 10) for i, answer in enumerate(("1", "boom", "1"))]
+        return await worker.generate_group(samples, ("run", 0))
+
+    metas, samples = asyncio.run(go())
+    assert [s.state for s in samples] == [SampleState.FINISHED] * 3 and [s.reward for s in samples] == [1.0, 0.0, 1.0]
+    assert worker.stats(drain=True).reward_errors == 1 and worker.stats(drain=True).reward_errors == 0
+
+
+def test_a_missing_or_corrupt_model_directory_is_named(tmp_path, random_model_dir):
+    import shutil
+
+    from april_ray.model import check_model_dir
+
+    assert check_model_dir(random_model_dir) == random_model_dir
+    with pytest.raises(ValueError, match=f"model.path: {tmp_path}/none does not exist"):
+        check_model_dir(tmp_path / "none")
+    bad = tmp_path / "m"
+    shutil.copytree(random_model_dir, bad)
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=f"model.path: {weights} is not a readable safetensors file"):
+        check_model_dir(bad)
+    weights.unlink()
+    with pytest.raises(ValueError, match=r"has no weights \(model.safetensors"):
+        check_model_dir(bad)
+    (bad / "config.json").write_text("{trunc")
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
+        check_model_dir(bad)
+    (bad / "config.json").unlink()
+    with pytest.raises(ValueError, match=f"model.path: {bad} has no config.json"):
+        check_model_dir(bad)
+
+
+def test_math_verify_runs_under_the_reward_runner_off_the_main_thread():
+    import asyncio
+
+    from april_ray.task.rewards import RewardRunner
+
+    runner = RewardRunner(math_reward, timeout_s=30)
+    assert asyncio.run(runner("", "The answer is \\boxed{\\frac{1}{2}}", "0.5")) == 1.0 and runner.total_errors == 0

@@ -17,8 +17,9 @@ import asyncio
 import dataclasses
 from collections import deque
 
-from april_ray.config import EngineConfig, SamplingConfig, StalenessConfig
+from april_ray.config import EngineConfig, SamplingConfig, StalenessConfig, TaskConfig
 from april_ray.engine.probe import saturated_throughput
+from april_ray.task.rewards import RewardRunner
 from april_ray.types import GenerateRequest, Sample, SampleMeta, SampleState, SamplingParams
 
 
@@ -30,9 +31,10 @@ def sample_meta(sample: Sample, num_new_tokens: int) -> SampleMeta:
                       len(sample.response_ids), sample.reward, counts)
 
 
-def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig, task_name: str,
+def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig, task: TaskConfig,
                  model_path: str, version: int = 0) -> "EngineWorker":
-    """An EngineWorker on the configured engine backend, with the task's reward and the configured sampling."""
+    """An EngineWorker on the configured engine backend, with the task's reward (under its timeout) and the
+    configured sampling."""
     from transformers import AutoTokenizer
 
     from april_ray.engine import build_engine
@@ -43,17 +45,19 @@ def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, stalene
                               sampling_cfg.max_response_len, (tok.eos_token_id,))
     stale_kv_versions = staleness.max_versions if engine_cfg.reuse_stale_kv else 0
     return EngineWorker(build_engine(engine_cfg, model_path, version, stale_kv_versions),
-                        lambda ids: tok.decode(ids, skip_special_tokens=True), get_reward_fn(task_name), sampling,
-                        tok.encode)
+                        lambda ids: tok.decode(ids, skip_special_tokens=True), get_reward_fn(task.name), sampling,
+                        tok.encode, task.reward_timeout_s)
 
 
 class EngineWorker:
-    def __init__(self, engine, decode, reward_fn, sampling: SamplingParams, encode=None):
+    def __init__(self, engine, decode, reward_fn, sampling: SamplingParams, encode=None,
+                 reward_timeout_s: float = TaskConfig.reward_timeout_s):
         self.engine = engine
         self.decode = decode
         self.encode = encode
         """The tokenizer's encode, for callers that build evaluation items in this process."""
-        self.reward_fn = reward_fn
+        self.reward = RewardRunner(reward_fn, reward_timeout_s)
+        """Off the event loop with a timeout; a call that fails scores 0 and is counted (`stats`)."""
         self.sampling = sampling
         self.closed_steps: deque = deque(maxlen=64)
 
@@ -66,7 +70,7 @@ class EngineWorker:
         sample.extend(out)
         if sample.state == SampleState.FINISHED:
             text = self.decode(sample.response_ids)
-            sample.reward = float(self.reward_fn(sample.prompt, text, sample.answer))
+            sample.reward = await self.reward(sample.prompt, text, sample.answer)
         return sample_meta(sample, out.num_tokens), sample
 
     async def generate_group(self, samples: list[Sample], step) -> tuple[list[SampleMeta], list[Sample]]:
@@ -84,8 +88,8 @@ class EngineWorker:
         sp = dataclasses.replace(self.sampling, temperature=temperature)
         outs = await asyncio.gather(*[self.engine.generate(GenerateRequest(f"{tag}-{i}", ids, sp))
                                       for i, (_, ids, _) in enumerate(items)])
-        return [float(self.reward_fn(prompt, self.decode(o.token_ids), answer))
-                for (prompt, _, answer), o in zip(items, outs)]
+        return list(await asyncio.gather(*[self.reward(prompt, self.decode(o.token_ids), answer)
+                                           for (prompt, _, answer), o in zip(items, outs)]))
 
     def abort_all(self, step) -> int:
         if step not in self.closed_steps:
@@ -96,4 +100,6 @@ class EngineWorker:
         self.engine.update_weights(state_dict, version)
 
     def stats(self, drain: bool = True):
-        return self.engine.stats(drain)
+        """The engine's statistics, with the reward errors since the last drain."""
+        errors = self.reward.drain_errors() if drain else self.reward.errors
+        return dataclasses.replace(self.engine.stats(drain), reward_errors=errors)

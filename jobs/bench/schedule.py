@@ -54,7 +54,7 @@ class LocalMode:
     def __init__(self, name: str, cfg: Config, model_path: str, train_examples, encode):
         self.name, self.cfg = name, cfg
         r = cfg.rollout
-        self.worker = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task.name, model_path)
+        self.worker = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
         self.source = PromptSource(train_examples, encode, r.n_samples_per_prompt, cfg.sampling.max_response_len,
                                    cfg.task.seed)
         self.store = PartialRolloutStore(cfg.staleness.max_versions, cfg.staleness.policy)
@@ -95,7 +95,7 @@ async def run(cfg: Config, args, job: JobInputs) -> dict:
         modes.append(LocalMode(f"april_{f:g}", with_rollout(cfg, partial_rollout=True, rollout_batch_size=n,
                                                             over_sampling_batch_size=n_prime),
                                model_path, train, tok.encode))
-    prober = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task.name, model_path)
+    prober = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
     ceilings = []
 
     async def probe() -> None:

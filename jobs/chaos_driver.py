@@ -1,0 +1,176 @@
+"""Chaos, driver kills: the training job's driver SIGKILLed at random steps and resumed, then exactly-once
+checked from what persists.
+
+    python -m jobs.chaos --config configs/tiny_cpu.yaml --driver-kills N --json PATH [--seed S] [key=value ...]
+
+`run_driver_kills` (called by jobs/chaos.py) runs `python -m jobs.train` as a subprocess on its own local
+Ray, in `<train.output_dir>/driver_kills`. It watches `metrics.jsonl` and, once the row of a seeded random
+step appears, waits a random part of a step and kills the driver with SIGKILL (so the kill lands
+mid-rollout, mid-training, mid-evaluation or mid-checkpoint), N times, each time at a later step. Each
+run after a kill is `train.resume=true`; the last one runs to the end. Then it checks, from what persists
+only:
+
+- the final checkpoint's prompt cursor and store (driver/checkpoint.py) and the job's per-step records
+  (`groups.jsonl`, driver/records.py: the groups returned for training and dropped by the filter at each
+  step, cut back to the checkpoint at each resume): every group the cursor handed out is trained,
+  dropped or stored exactly once (`prompts_consumed_twice`, `prompts_skipped`; a group id is a prompt of
+  one epoch), and no sample is trained twice;
+- `metrics.jsonl`: every step once, and the policy versions 1, 2, ... without a gap or a repeat;
+- the processes under each killed driver (its local Ray), recorded just before the kill: those still
+  running at the end are `stray_processes`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+
+from driver.checkpoint import find_checkpoint, read_state
+from driver.records import read_rows
+from jobs.chaos import taken_group_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_driver_kills(cfg, args) -> dict:
+    out = Path(cfg.train.output_dir) / "driver_kills"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    n, kills = cfg.train.num_steps, args.driver_kills
+    if n - 2 < kills:
+        raise ValueError(f"--driver-kills {kills}: train.num_steps={n} leaves room for at most {max(0, n - 2)} "
+                         f"kills (at steps 1 .. num_steps-2)")
+    rng = random.Random(args.seed)
+    at_steps = sorted(rng.sample(range(1, n - 1), kills))
+    if at_steps and cfg.train.save_every > at_steps[-1]:
+        print(f"chaos: train.save_every={cfg.train.save_every}: the kills (after steps {at_steps}) fall before the "
+              f"first checkpoint, so every resume starts from step 0", flush=True)
+    cmd = [sys.executable, "-m", "jobs.train", *(["--config", args.config] if getattr(args, "config", None) else []),
+           *getattr(args, "overrides", []), f"train.output_dir={out}"]
+    t0, runs, watched = time.time(), [], []
+    for i, at in enumerate([*at_steps, None]):
+        run = Run(cmd + (["train.resume=true"] if i else []), out / f"run{i}.log")
+        if at is None:
+            runs.append(run.finish())
+        else:
+            runs.append(run.kill_after(out / "metrics.jsonl", at, rng))
+            watched += run.watched
+    time.sleep(2.0)  # a killed run's processes had minutes; this is only for the last one's watchdog
+    stray = [f"{p.pid} {name(p)}" for p in watched if p.is_running()]
+    result = {"driver_kills": kills, "driver_kill_steps": at_steps, "runs": runs, "stray_processes": len(stray),
+              "stray_process_names": stray[:20], "wall_s": time.time() - t0} | check_exactly_once(out, cfg)
+    result["ok"] = (result.get("ok", True) and not result["prompts_consumed_twice"] and not result["prompts_skipped"]
+                    and not result["samples_trained_twice"] and result["steps_completed"] == n
+                    and not result["stray_processes"] and result["metrics_steps_ok"])
+    return result
+
+
+def name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:
+        return "?"
+
+
+class Run:
+    """One driver subprocess with its own local Ray (RAY_ADDRESS cleared), its output in `log`."""
+
+    def __init__(self, cmd: list[str], log: Path):
+        self.log = log
+        self.file = open(log, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.file, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "RAY_ADDRESS": ""})
+        self.watched: list[psutil.Process] = []
+        self.t0 = time.time()
+
+    def kill_after(self, metrics: Path, at: int, rng: random.Random, timeout_s: float = 1800) -> dict:
+        """SIGKILL the driver a random part of a step after the row of step `at` is written."""
+        seen: dict[int, float] = {}
+        while at not in seen:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the driver exited ({self.proc.returncode}) before step {at}; see {self.log}:\n"
+                                   + self.log.read_text()[-3000:])
+            if time.time() - self.t0 > timeout_s:
+                self.proc.kill()
+                raise TimeoutError(f"step {at} not reached within {timeout_s:.0f}s; see {self.log}")
+            for step in step_rows(metrics):
+                seen.setdefault(step, time.time())
+            time.sleep(0.1)
+        times = sorted(seen.values())
+        step_s = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 1.0
+        delay = rng.uniform(0, step_s)
+        time.sleep(delay)
+        self.watched = [p for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.file.close()
+        print(f"chaos: SIGKILL of the driver {delay:.2f}s after step {at} ({len(self.watched)} processes under it)",
+              flush=True)
+        return {"killed_after_step": at, "delay_s": round(delay, 3), "resumed_from": resumed_from(self.log),
+                "processes": len(self.watched), "wall_s": round(time.time() - self.t0, 1)}
+
+    def finish(self, timeout_s: float = 3600) -> dict:
+        try:
+            code = self.proc.wait(timeout_s)
+        finally:
+            self.file.close()
+        if code != 0:
+            raise RuntimeError(f"the last run failed ({code}); see {self.log}:\n" + self.log.read_text()[-3000:])
+        return {"finished": True, "resumed_from": resumed_from(self.log), "wall_s": round(time.time() - self.t0, 1)}
+
+
+def resumed_from(log: Path) -> str | None:
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("resumed from "):
+            return Path(line.split()[2].rstrip(":")).name
+    return None
+
+
+def step_rows(metrics: Path) -> list[int]:
+    """Steps with a training row in metrics.jsonl (a torn last line is skipped)."""
+    steps = []
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if "train/version" in row:
+                steps.append(row["step"])
+    return steps
+
+
+def check_exactly_once(out: Path, cfg) -> dict:
+    ckpt = find_checkpoint(out, log=lambda _: None)
+    state = read_state(ckpt)
+    rows = [r for r in read_rows(out) if "end" not in r]
+    returned = Counter(g for r in rows for g in r["returned"])
+    dropped = Counter(g for r in rows for g in r["dropped"])
+    stored = Counter(g["group_id"] for kind in ("partial", "complete") for g in state["store"][kind])
+    placed = returned + dropped + stored
+    taken = taken_group_ids(state["source"])
+    samples = Counter(s for r in rows for ids in r.get("samples", {}).values() for s in ids)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r["step"] for r in metrics if "train/version" in r]
+    versions = [r["train/version"] for r in metrics if "train/version" in r]
+    n = cfg.train.num_steps
+    return {
+        "steps": n, "steps_completed": len({r["step"] for r in rows}),
+        "final_checkpoint": ckpt.name, "groups_taken": len(taken), "groups_returned": sum(returned.values()),
+        "groups_dropped": sum(dropped.values()), "groups_stored": sum(stored.values()),
+        "prompts_consumed_twice": sum(c - 1 for c in placed.values() if c > 1),
+        "prompts_skipped": sum(1 for g in taken if g not in placed),
+        "unknown_groups": len(set(placed) - set(taken)),
+        "samples_trained_twice": sum(c - 1 for c in samples.values() if c > 1),
+        "group_rows_per_step_ok": sorted(r["step"] for r in rows) == list(range(n)),
+        "metrics_steps_ok": steps == list(range(n)) and versions == list(range(1, n + 1)),
+    }
