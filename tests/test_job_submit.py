@@ -2,42 +2,20 @@
 the training job submitted through the job API with the repository as its working_dir, its summary and
 plain-line log, and the `april_` metrics on the node's Prometheus endpoint while it runs."""
 import json
-import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from actors.metrics import METRICS, permille
 from april_ray.tracking import LineProgress, progress
+from jobs.dashboard_screenshot import EXCLUDES, get, local_head
 
 ROOT = Path(__file__).resolve().parents[1]
 # what the acceptance names: occupancy, store age, off-policy ratio and step time
 REQUIRED = {"ray_april_engine_occupancy", "ray_april_store_oldest_age_versions",
             "ray_april_rollout_off_policy_token_ratio", "ray_april_step_phase_seconds"}
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def get(url: str, timeout: float = 5) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
 
 
 def served_april_metrics(port: int) -> set[str]:
@@ -48,41 +26,9 @@ def served_april_metrics(port: int) -> set[str]:
 
 @pytest.fixture
 def head(tmp_path):
-    """A local head like `ray start --head`, on free ports and its own temp dir (so no other ray.init() on
-    this machine finds it). `--block` keeps the command in the foreground; stopping it stops its
-    processes (Ray's reaper), so this ends only what it started: no `ray stop`, which ends every Ray on
-    the machine."""
-    gcs, dashboard, metrics, agent, client = free_ports(5)
-    temp_dir = tempfile.mkdtemp(prefix="rayjs", dir="/tmp")  # short: Ray's socket paths have a length limit
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-           "RAY_USAGE_STATS_ENABLED": "0", "RAY_metrics_report_interval_ms": "1000",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    env.pop("RAY_ADDRESS", None)
-    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-           f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-           f"--metrics-export-port={metrics}", f"--dashboard-agent-listen-port={agent}",
-           f"--ray-client-server-port={client}", f"--temp-dir={temp_dir}", "--num-cpus=8"]
-    log = open(tmp_path / "ray_start.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.time() + 240  # minutes on a loaded machine, seconds alone
-        while True:
-            assert proc.poll() is None, (tmp_path / "ray_start.log").read_text()[-3000:]
-            try:
-                get(f"http://127.0.0.1:{dashboard}/api/version")
-                break
-            except OSError:
-                assert time.time() < deadline, "the dashboard did not come up"
-                time.sleep(1)
-        yield {"dashboard": dashboard, "metrics": metrics}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the process group of the command this fixture started
-        log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    """A local head as `ray start --head` makes it, stopped by its own process id afterwards."""
+    with local_head(tmp_path / "ray_start.log") as ports:
+        yield ports
 
 
 @pytest.mark.slow
@@ -97,7 +43,7 @@ def test_ray_job_submit_runs_training_and_serves_metrics(head, tmp_path):
                   f"train.output_dir={tmp_path}/out --summary {summary_path}")
     client = JobSubmissionClient(f"http://127.0.0.1:{head['dashboard']}")
     job = client.submit_job(entrypoint=entrypoint, runtime_env={
-        "working_dir": str(ROOT), "excludes": [".venv", "outputs", ".git", ".pytest_cache", "*.egg-info", "__pycache__"]})
+        "working_dir": str(ROOT), "excludes": EXCLUDES})
     seen: set[str] = set()
     deadline = time.time() + 480
     while (status := client.get_job_status(job)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
