@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.metrics import METRICS, permille
+from actors.metrics import METRICS, shares
 from april_ray.tracking import LineProgress, progress
 from jobs.dashboard_screenshot import EXCLUDES, get, local_head
 
@@ -64,12 +64,12 @@ def test_ray_job_submit_runs_training_and_serves_metrics(head, tmp_path):
     assert seen == {f"ray_{name}" for name in METRICS} - {"ray_april_engine_crashes_total"}, sorted(seen)
 
 
-def test_staleness_shares_in_thousandths_sum_to_1000():
-    assert permille({0: 5, 1: 3, 2: 0, 4: 1}) == {0: 556, 1: 333, 4: 111}
-    assert permille({0: 1, 1: 1, 2: 1}) in ({0: 334, 1: 333, 2: 333}, {0: 333, 1: 334, 2: 333},
-                                            {0: 333, 1: 333, 2: 334})
-    assert permille({0: 999_999, 7: 1}) == {0: 1000}  # a share under half a thousandth rounds away
-    assert permille({}) == {} and permille({3: 0}) == {}
+def test_staleness_shares_sum_to_the_units():
+    assert shares({0: 5, 1: 3, 2: 0, 4: 1}, 1000) == {0: 556, 1: 333, 4: 111}
+    assert sorted(shares({0: 1, 1: 1, 2: 1}, 100).values()) == [33, 33, 34]
+    assert shares({0: 99_999, 7: 1}) == {0: 100}  # a share under half a unit rounds away
+    assert shares({0: 3, 7: 1}) == {0: 75, 7: 25}
+    assert shares({}) == {} and shares({3: 0}) == {}
 
 
 def test_progress_is_plain_lines_without_a_terminal(capsys):
