@@ -156,6 +156,12 @@ class SGLangEngine:
             self._blocking(lambda: send_tensors(self, named, version, self.flush_on_update, self.bucket_mb))
         self.version = version
 
+    def set_kv_reuse(self, enabled: bool) -> None:
+        """The in-actor engine's benchmark switch (jobs/bench/rollout.py). A server's prefix cache is its own
+        configuration: reuse on is what it does already; off cannot be asked for over SGLang's API."""
+        if not enabled:
+            raise NotImplementedError(f"{self.url}: switching KV reuse off at run time is not in SGLang's API")
+
     def stats(self, drain: bool = True) -> EngineStats:
         occupancy = self.occupancy
         if drain:
