@@ -172,3 +172,51 @@ def test_samples_aborted_by_someone_else_mid_step_are_resumed_in_the_same_step(l
     taken = ray.get(actors.source.num_groups_taken.remote())
     counters = ray.get(actors.monitor.counters.remote())
     assert taken == counters["returned_groups"] + counters["dropped_groups"] + ray.get(actors.store.size.remote())
+
+
+def test_an_engine_sigkilled_mid_step_is_restarted_caught_up_and_the_run_goes_on(local_ray, tmp_path, model_dir,
+                                                                                   engines_of):
+    """The training loop's rollout (`EngineGroup.run_step`) while an engine process is SIGKILLed in the
+    middle of a step: the monitor re-dispatches its samples, Ray restarts it in its bundle under the same
+    handle, it refuses work until it holds the current weights, the driver catches it up and hands it back,
+    and every step completes with nothing lost or repeated."""
+    import os
+    import signal
+    import threading
+    import time
+
+    cfg = small_cfg(tmp_path, "sampling.max_response_len=200", "engine.max_model_len=256")
+    engines = engines_of(cfg, model_dir)
+    actors = start_rollout(cfg, model_dir, engines)
+    weights = ray.put(None)  # a version bump only: which version the restarted engine serves is what counts
+    victim = 1
+    before = ray.get(engines.actors[victim].status.remote())
+    seen, crashes, killed = set(), [], []
+    for step in range(6):
+        if step == 1:  # mid-step: the step is under way when the kill lands
+            threading.Timer(0.1, lambda: (os.kill(before["pid"], signal.SIGKILL), killed.append(time.time()))).start()
+        result = engines.run_step(actors.monitor, step, step)
+        if step == 1:
+            assert killed, "the kill should land while step 1 runs"
+        crashes.append(result.metrics["rollout/engine_crashes"])
+        samples = fetch([h for group in result.groups for h in group])
+        assert len(result.groups) == cfg.rollout.rollout_batch_size
+        for s in samples:
+            assert s.state == SampleState.FINISHED and s.sample_id not in seen
+            seen.add(s.sample_id)
+            assert max(s.versions) <= step
+        taken = ray.get(actors.source.num_groups_taken.remote())
+        counters = ray.get(actors.monitor.counters.remote())
+        assert taken == counters["returned_groups"] + counters["dropped_groups"] + ray.get(actors.store.size.remote())
+        engines.publish(weights, step + 1)
+    assert crashes[1] == 1 and sum(crashes) == 1, crashes  # seen mid-step, once
+    deadline = time.time() + 180  # restarting takes a while on a loaded machine: wait until it is back
+    while len(engines.catch_up([0, 1], wait_s=2.0)) < 2 and time.time() < deadline:
+        time.sleep(1.0)
+    engines.stats()
+    engines.run_step(actors.monitor, 6, 6)
+    after = ray.get(engines.actors[victim].status.remote())
+    assert after["pid"] != before["pid"] and after["incarnation"] != before["incarnation"] and engines.restarts == 1
+    assert after["serving"] and after["version"] == 6  # caught up to the version published while it was down
+    assert ray.get(actors.monitor.counters.remote())["alive_engines"] == [True, True]
+    assert all(st is not None and st.num_generated_tokens > 0 for st in engines.stats())  # both serve again
