@@ -83,6 +83,20 @@ def local_head(log_path: Path, num_cpus: int = 8, up_s: float = 240):
             shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def submit(client, entrypoint: str, wait_s: float = 180) -> str:
+    """Submit `entrypoint` with the repository as working_dir. The head's dashboard answers before its
+    node's agent has registered; until then Ray refuses the job ("No available agent ... try again later")."""
+    deadline = time.time() + wait_s
+    while True:
+        try:
+            return client.submit_job(entrypoint=entrypoint,
+                                     runtime_env={"working_dir": str(ROOT), "excludes": EXCLUDES})
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.time() > deadline:
+                raise
+            time.sleep(2)
+
+
 def screenshot(url: str, out: Path, size: tuple[int, int], wait_ms: int = 8000) -> None:
     """One page in headless Chromium, after `wait_ms` of its virtual time (the dashboard fetches its data)."""
     with tempfile.TemporaryDirectory() as profile:
@@ -116,7 +130,7 @@ def main() -> None:
     with local_head(work / "ray_start.log") as ports:
         base = f"http://127.0.0.1:{ports['dashboard']}"
         client = JobSubmissionClient(base)
-        job = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(ROOT), "excludes": EXCLUDES})
+        job = submit(client, entrypoint)
         print(f"submitted {job}; dashboard {base}", flush=True)
         while f"step {args.after_steps}/" not in client.get_job_logs(job):
             if client.get_job_status(job) in {JobStatus.FAILED, JobStatus.STOPPED}:

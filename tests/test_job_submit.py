@@ -4,15 +4,13 @@ plain-line log, and the `april_` metrics on the node's Prometheus endpoint while
 import json
 import re
 import time
-from pathlib import Path
 
 import pytest
 
 from actors.metrics import METRICS, shares
 from april_ray.tracking import LineProgress, progress
-from jobs.dashboard_screenshot import EXCLUDES, get, local_head
+from jobs.dashboard_screenshot import get, local_head, submit
 
-ROOT = Path(__file__).resolve().parents[1]
 # what the acceptance names: occupancy, store age, off-policy ratio and step time
 REQUIRED = {"ray_april_engine_occupancy", "ray_april_store_oldest_age_versions",
             "ray_april_rollout_off_policy_token_ratio", "ray_april_step_phase_seconds"}
@@ -42,8 +40,7 @@ def test_ray_job_submit_runs_training_and_serves_metrics(head, tmp_path):
                   "logging.wandb_mode=disabled "
                   f"train.output_dir={tmp_path}/out --summary {summary_path}")
     client = JobSubmissionClient(f"http://127.0.0.1:{head['dashboard']}")
-    job = client.submit_job(entrypoint=entrypoint, runtime_env={
-        "working_dir": str(ROOT), "excludes": EXCLUDES})
+    job = submit(client, entrypoint)  # with the repository as working_dir
     seen: set[str] = set()
     deadline = time.time() + 480
     while (status := client.get_job_status(job)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
