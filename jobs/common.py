@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 from pathlib import Path
 
 # No usage stats, and one auth mode everywhere (a local ray.init turns token auth on, which `ray job submit`
@@ -12,6 +13,10 @@ from pathlib import Path
 for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
                    "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(key, value)
+# Outside a terminal (a job's log, a pipe), Hugging Face's progress bars (weight loading and saving in the
+# engine and learner actors of a local Ray, which inherit this environment) would write carriage returns.
+if not sys.stderr.isatty():
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from april_ray.config import Config, ConfigError, LoggingConfig, add_config_args, config_from_args  # noqa: E402
 
