@@ -45,10 +45,11 @@ def test_report_by_hand():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # four jobs of two steps, each starting its actors
 def test_bench_train_json_keys_on_a_tiny_run(tmp_path, random_model_dir):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "jobs.bench.train", "--config", "configs/tiny_cpu.yaml", "--seeds", "2",
-           "--factors", "1,2", "--gain", "0.0", "--json", str(out), f"model.path={random_model_dir}",
+           "--factors", "2", "--gain", "0.0", "--json", str(out), f"model.path={random_model_dir}",
            f"model.cache_dir={tmp_path}", f"train.output_dir={tmp_path}/out", "task.num_train=300",
            "task.num_eval=16", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
            "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24", "engine.max_model_len=64",
@@ -58,8 +59,8 @@ def test_bench_train_json_keys_on_a_tiny_run(tmp_path, random_model_dir):
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
-    assert r["seeds"] == [0, 1] and {"target_accuracy", "speedup", "speedup_1", "speedup_2"} <= set(r)
-    for mode in ("sync", "april", "april_1", "april_2"):
+    assert r["seeds"] == [0, 1] and {"target_accuracy", "speedup", "speedup_2"} <= set(r)
+    for mode in ("sync", "april", "april_2"):
         m = r[mode]
         assert len(m["time_to_target_s"]) == 2 and len(m["final_accuracy"]) == 2, mode
         assert {"time_to_target_median_s", "final_accuracy_median", "accuracy_at_budget", "accuracy_by_step",

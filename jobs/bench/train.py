@@ -1,7 +1,7 @@
 """Training benchmark: the synchronous baseline and APRIL (at one or several N'/N) over several seeds.
 
     python -m jobs.bench.train --config configs/tiny_cpu.yaml --seeds K --json PATH [--factors 1,1.5,2,3]
-        [--target ACC | --gain G] [--budgets S1,S2,...] [key=value ...]
+        [--target ACC | --gain G] [--budgets S1,S2,...] [--first-seed S] [key=value ...]
 
 For each seed the modes' jobs run one after the other (round-robin by seed: sync, APRIL, APRIL at each
 factor, then the next seed), so a machine whose load drifts slows every mode alike. A seed sets
@@ -152,7 +152,8 @@ def table(result: dict) -> str:
 def main() -> None:
     def extra(p):
         p.add_argument("--json", required=True)
-        p.add_argument("--seeds", type=int, default=3, help="seeds 0..K-1, each runs every mode")
+        p.add_argument("--seeds", type=int, default=3, help="K seeds from --first-seed, each runs every mode")
+        p.add_argument("--first-seed", type=int, default=0, help="to add seeds to an earlier run's")
         p.add_argument("--factors", default="", help="also APRIL at these N'/N, e.g. 1,1.5,2,3")
         p.add_argument("--target", type=float, default=None, help="held-out accuracy to reach")
         p.add_argument("--gain", type=float, default=0.05, help="target = mean accuracy before + gain")
@@ -162,7 +163,7 @@ def main() -> None:
     init_ray(plan(cfg))
     factors = [float(f) for f in args.factors.split(",") if f]
     modes = mode_configs(cfg, factors)
-    seeds = list(range(args.seeds))
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for seed in seeds:  # round-robin: every mode's run for this seed before the next seed
         for mode, mode_cfg in modes.items():
