@@ -46,11 +46,11 @@ def run_driver_kills(cfg, args) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     n, kills = cfg.train.num_steps, args.driver_kills
-    if n - 2 < kills:
-        raise ValueError(f"--driver-kills {kills}: train.num_steps={n} leaves room for at most {max(0, n - 2)} "
-                         f"kills (at steps 1 .. num_steps-2)")
+    if n - 3 < kills:
+        raise ValueError(f"--driver-kills {kills}: train.num_steps={n} leaves room for at most {max(0, n - 3)} "
+                         f"kills (after steps 1 .. num_steps-3, so that a step is left to be killed in)")
     rng = random.Random(args.seed)
-    at_steps = sorted(rng.sample(range(1, n - 1), kills))
+    at_steps = sorted(rng.sample(range(1, n - 2), kills))
     if at_steps and cfg.train.save_every > at_steps[-1]:
         print(f"chaos: train.save_every={cfg.train.save_every}: the kills (after steps {at_steps}) fall before the "
               f"first checkpoint, so every resume starts from step 0", flush=True)
@@ -94,21 +94,26 @@ class Run:
 
     def kill_after(self, metrics: Path, at: int, rng: random.Random, timeout_s: float = 1800) -> dict:
         """SIGKILL the driver a random part of a step after the row of step `at` is written."""
-        seen: dict[int, float] = {}
-        while at not in seen:
+        before = set(step_rows(metrics))  # rows of earlier runs: this run's own rows are the lines not in it
+        new: dict[int, float] = {}
+        while at not in new:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the driver exited ({self.proc.returncode}) before step {at}; see {self.log}:\n"
                                    + self.log.read_text()[-3000:])
             if time.time() - self.t0 > timeout_s:
                 self.proc.kill()
                 raise TimeoutError(f"step {at} not reached within {timeout_s:.0f}s; see {self.log}")
-            for step in step_rows(metrics):
-                seen.setdefault(step, time.time())
+            for line, step in step_rows(metrics):
+                if line not in before:
+                    new.setdefault(step, time.time())
             time.sleep(0.1)
-        times = sorted(seen.values())
-        step_s = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 1.0
-        delay = rng.uniform(0, step_s)
+        times = sorted(new.values())  # rows this run wrote: their spacing is a step's time
+        gaps = sorted(b - a for a, b in zip(times, times[1:]))
+        delay = rng.uniform(0, gaps[len(gaps) // 2] if gaps else 1.0)
         time.sleep(delay)
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the driver ended ({self.proc.returncode}) before its kill, {delay:.1f}s after step "
+                               f"{at}; see {self.log}")
         self.watched = [p for p in psutil.Process(self.proc.pid).children(recursive=True)]
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
@@ -135,9 +140,9 @@ def resumed_from(log: Path) -> str | None:
     return None
 
 
-def step_rows(metrics: Path) -> list[int]:
-    """Steps with a training row in metrics.jsonl (a torn last line is skipped)."""
-    steps = []
+def step_rows(metrics: Path) -> list[tuple[str, int]]:
+    """(line, step) of each training row in metrics.jsonl (a torn last line is skipped)."""
+    rows = []
     if metrics.is_file():
         for line in metrics.read_text().splitlines():
             try:
@@ -145,8 +150,8 @@ def step_rows(metrics: Path) -> list[int]:
             except ValueError:
                 continue
             if "train/version" in row:
-                steps.append(row["step"])
-    return steps
+                rows.append((line, row["step"]))
+    return rows
 
 
 def check_exactly_once(out: Path, cfg) -> dict:
