@@ -9,8 +9,9 @@ would swamp wall-clock times). It fits
     step = a + b * rows + c * context + prefill_per_token * prefilled + prefill_per_step * (any prefill)
 
 so the fit sees the batches these schedules really make (mixed lengths, resumed inputs, prompts joining a
-busy batch); a step that regroups its rows is a feature of the fit too, but the simulated engine has no row
-layout and leaves that cost out. It also measures, in the schedules, the thread's CPU between engine steps
+busy batch). Two more features help the fit but have no counterpart in the simulated engine, which has no
+row layout: a step that regroups its rows (left out of the simulation) and the context the decode attends
+over padded to span classes (counted as the context itself). It also measures, in the schedules, the thread's CPU between engine steps
 per request (front end, engine worker, monitor: in the bench they share the engine's one thread) and at
 the step boundary per aborted request (the abort parks each cache; the store). It also records the response lengths the model really produces (temperature and budget of
 the config) for the first prompts of the prompt source's order, each prompt's samples together.
@@ -31,7 +32,7 @@ from april_ray.sim.cluster import Setting
 from april_ray.sim.hardware import StepCost
 from april_ray.sim.workload import LengthModel, Workload
 
-FEATURES = ("one", "rows", "context", "prefilled", "any_prefill", "admitted", "restored", "regrouped")
+FEATURES = ("one", "rows", "context", "prefilled", "any_prefill", "admitted", "restored", "regrouped", "attended")
 
 
 class StepRecorder:
@@ -55,14 +56,18 @@ class StepRecorder:
         t_in = time.thread_time()
         if self.last is not None:
             self.between_s += t_in - self.last
+        from april_ray.engine.model_runner import decode_segments
+
         running = len(e.scheduler.running)
         context = sum(s.num_tokens for s in e.scheduler.running)
+        segments = decode_segments([s.num_tokens - 1 for s in e.scheduler.running]) if running else []
+        attended = sum((end - start) * span for start, end, span in segments)
         n0, r0, g0, t0 = e.num_prefill_tokens, e.num_reused_tokens, e.num_regroups, time.thread_time()
         outs = self.inner()
         dt = time.thread_time() - t0
         prefilled, rows = e.num_prefill_tokens - n0, e.occupancy[-1][1]
         self.rows.append((1.0, rows, context, prefilled, float(prefilled > 0), rows - running,
-                          e.num_reused_tokens - r0, e.num_regroups - g0, dt))
+                          e.num_reused_tokens - r0, e.num_regroups - g0, attended, dt))
         self.last = time.thread_time()
         return outs
 
@@ -73,9 +78,48 @@ class StepRecorder:
             self.boundary_s += time.thread_time() - self.last
         self.last = None
 
-    def per_request_between(self) -> float:
-        """CPU between steps per request the engine admitted."""
-        return self.between_s / max(1, sum(r[5] for r in self.rows))
+
+GRID_ROWS = (1, 4, 16, 32, 64)
+GRID_CONTEXTS = (8, 96, 192, 320, 480)
+
+
+def _time_grid(model, cfg: Config, vocab: int, passes: int = 2, steps: int = 10) -> list[dict]:
+    """Uniform batches: `rows` inputs of `ctx` tokens admitted at once, then decode steps; each point the
+    fastest over `passes` sweeps (on a loaded machine even CPU time inflates: a busy sibling hyperthread,
+    evicted caches; the least disturbed run is the engine's own cost)."""
+    from april_ray.engine.cpu_engine import LLMEngine
+    from april_ray.types import GenerateRequest, SamplingParams
+
+    rng, best = np.random.default_rng(0), {}
+    for _ in range(passes):
+        for ctx in GRID_CONTEXTS:
+            for rows in GRID_ROWS:
+                e = LLMEngine(model, max_num_seqs=max(GRID_ROWS), max_model_len=cfg.engine.max_model_len,
+                              max_prefill_tokens=cfg.engine.max_prefill_tokens)
+                sp = SamplingParams(temperature=1.0, max_new_tokens=steps + 2)
+                for i in range(rows):
+                    e.add_request(GenerateRequest(f"r{i}", rng.integers(3, vocab, ctx).tolist(), sp))
+                t0 = time.thread_time()
+                e.step()
+                prefill = time.thread_time() - t0
+                decode = []
+                for _ in range(steps):
+                    t0 = time.thread_time()
+                    e.step()
+                    decode.append(time.thread_time() - t0)
+                old = best.get((rows, ctx), (prefill, min(decode)))
+                best[(rows, ctx)] = (min(old[0], prefill), min(old[1], min(decode)))
+    return [{"rows": r, "context": c + steps / 2, "prefill_s": p, "decode_s": d} for (r, c), (p, d) in best.items()]
+
+
+def fit_grid(points: list[dict]) -> dict:
+    """decode = a + b * rows + c * rows * context; prefill step = decode step + per_token * rows * context."""
+    x = np.array([[1.0, p["rows"], p["rows"] * p["context"]] for p in points])
+    (a, b, c), *_ = np.linalg.lstsq(x, np.array([p["decode_s"] for p in points]), rcond=None)
+    extra = np.array([p["prefill_s"] - (a + b * p["rows"]) for p in points])
+    tokens = np.array([p["rows"] * p["context"] for p in points])
+    per_token = float(extra @ tokens / (tokens @ tokens))
+    return {"a": float(a), "b": float(b), "c": float(c), "prefill_per_token": per_token}
 
 
 def fit_costs(rows: list[tuple]) -> dict:
@@ -91,7 +135,7 @@ def fit_costs(rows: list[tuple]) -> dict:
         keep.pop(int(np.argmin(sol)))
     rel = np.abs(x @ coef - y) / y
     names = ("a", "b", "c", "prefill_per_token", "prefill_per_step", "per_admitted", "per_restored_token",
-             "per_regroup")
+             "per_regroup", "per_attended")
     return dict(zip(names, map(float, coef))) | {
         "steps": len(rows), "rel_error_median": float(np.median(rel)), "rel_error_p90": float(np.percentile(rel, 90))}
 
@@ -105,7 +149,7 @@ async def _record_schedules(cfg: Config, model_path: str, train, eval_prompts, s
     from april_ray.rollout.store import PartialRolloutStore
 
     rows, modes, n = [], [], cfg.rollout.rollout_batch_size // cfg.engine.num_engines
-    between, admitted, boundary, aborted, by_mode = 0.0, 0, 0.0, 0, {}
+    boundary, aborted, by_mode = 0.0, 0, {}
     for factor in (None, 1.5, 3.0):
         worker = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
         recorder = StepRecorder(worker.engine.engine)
@@ -120,19 +164,20 @@ async def _record_schedules(cfg: Config, model_path: str, train, eval_prompts, s
             worker.update_weights(None, step)
             await monitor.step(step, step)
             recorder.boundary()
-        between += recorder.between_s
         boundary += recorder.boundary_s
         aborted += recorder.aborted
-        by_mode["sync" if factor is None else f"april_{factor:g}"] = recorder.per_request_between()
-        admitted += sum(row[5] for row in recorder.rows)
+        by_mode["sync" if factor is None else f"april_{factor:g}"] = {
+            "between_s": recorder.between_s, "steps": len(recorder.rows),
+            "requests": sum(row[5] for row in recorder.rows)}
         rows += recorder.rows
         modes += [str(factor)] * len(recorder.rows)
     prober = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
     probe = StepRecorder(prober.engine.engine)
     await saturated_throughput(prober.engine, eval_prompts, prober.sampling, cfg.engine.max_num_seqs, 3.0)
     modes += ["probe"] * len(probe.rows)
-    return rows + probe.rows, modes, {"schedules": between / max(1, admitted), "probe": probe.per_request_between(),
-                                      "boundary_per_aborted": boundary / max(1, aborted), "by_mode": by_mode}
+    by_mode["probe"] = {"between_s": probe.between_s, "steps": len(probe.rows),
+                        "requests": sum(row[5] for row in probe.rows)}
+    return rows + probe.rows, modes, {"boundary_per_aborted": boundary / max(1, aborted), "by_mode": by_mode}
 
 
 def measure_cpu_engine(cfg: Config, model_path: str, train, eval_examples, steps: int = 12,
@@ -147,10 +192,11 @@ def measure_cpu_engine(cfg: Config, model_path: str, train, eval_examples, steps
     rows, modes, between = asyncio.run(_record_schedules(cfg, model_path, train, [tok.encode(e.prompt) for e in eval_examples],
                                                   steps))
     record_s = time.perf_counter() - t0
+    grid = _time_grid(model, cfg, len(tok))
     by_row = measure_lengths(model, tok, cfg, train, num_prompts)
     lengths = [x for v in by_row.values() for x in v]
-    return {"fit": fit_costs(rows), "between_steps_cpu_s_per_request": between,
-            "features": FEATURES + ("cpu_s",), "steps": [list(r) for r in rows], "step_modes": modes,
+    return {"fit": fit_costs(rows), "grid_fit": fit_grid(grid), "grid": grid, "between_steps": between,
+            "features": FEATURES + ("cpu_s",), "steps": [[round(x, 7) for x in r] for r in rows], "step_modes": modes,
             "by_row": {str(k): v for k, v in by_row.items()},
             "setup": {"threads": cfg.engine.num_threads, "record_s": record_s, "schedule_steps": steps,
                       "prompts": num_prompts, "temperature": cfg.sampling.temperature,
@@ -179,16 +225,32 @@ def measure_lengths(model, tok, cfg: Config, train, num_prompts: int) -> dict[in
     return by_row
 
 
-def cpu_step_cost(fit: dict, per_request: float = 0.0, per_aborted: float = 0.0) -> StepCost:
+def between_costs(between: dict) -> dict[str, float]:
+    """The engine thread's CPU between engine steps, split into per step and per request: least squares
+    over the schedules' totals (non-negative), and the probe's own per step."""
+    modes = [m for m in between["by_mode"] if m != "probe"]
+    a = np.array([[between["by_mode"][m]["steps"], between["by_mode"][m]["requests"]] for m in modes], dtype=float)
+    b = np.array([between["by_mode"][m]["between_s"] for m in modes])
+    (per_step, per_request), *_ = np.linalg.lstsq(a, b, rcond=None)
+    if min(per_step, per_request) < 0:
+        per_step, per_request = (0.0, b.sum() / a[:, 1].sum()) if per_step < 0 else (b.sum() / a[:, 0].sum(), 0.0)
+    probe = between["by_mode"]["probe"]
+    return {"per_step": float(per_step), "per_request": float(per_request),
+            "probe_per_step": probe["between_s"] / max(1, probe["steps"]),
+            "per_aborted": between["boundary_per_aborted"]}
+
+
+def cpu_step_cost(fit: dict, per_request: float = 0.0, per_aborted: float = 0.0, per_step: float = 0.0) -> StepCost:
     """The fitted CPU costs (a prompt that joins a running batch is prefilled in its decode pass,
     `LLMEngine.step`, so a prefill adds to that step), plus `per_request` of CPU a request costs its
     callers on the engine's thread, and `per_aborted` of step boundary per aborted request."""
-    return StepCost(0.0, ((fit["a"], fit["b"], fit["c"]),), fit["prefill_per_token"], 0.0, fit["prefill_per_step"],
+    return StepCost(per_step, ((fit["a"], fit["b"], fit["c"] + fit.get("per_attended", 0.0)),),
+                    fit["prefill_per_token"], 0.0, fit["prefill_per_step"],
                     fit["per_admitted"] + per_request, fit["per_restored_token"], per_aborted)
 
 
-def cpu_setting(cfg: Config, measured: dict, prompt_lens: list[int], per_request: float,
-                per_aborted: float = 0.0) -> Setting:
+def cpu_setting(cfg: Config, measured: dict, prompt_lens: list[int], per_request: float = 0.0,
+                per_aborted: float = 0.0, per_step: float = 0.0) -> Setting:
     """One simulated CPU engine as `jobs/bench/schedule.py` runs one: the config's cap, budget, parked
     caches and stale-cache reuse; lengths of the task as the model produced them (one token a block)."""
     from april_ray.config import StalenessConfig
@@ -199,7 +261,7 @@ def cpu_setting(cfg: Config, measured: dict, prompt_lens: list[int], per_request
     e = cfg.engine
     stale = cfg.staleness.max_versions if e.reuse_stale_kv else 0
     slots = e.max_num_seqs * e.max_model_len  # the CPU engine's cache: a slot of max_model_len per row
-    return Setting(workload, cpu_step_cost(measured["fit"], per_request, per_aborted), 1, e.max_num_seqs, slots,
+    return Setting(workload, cpu_step_cost(measured["fit"], per_request, per_aborted, per_step), 1, e.max_num_seqs, slots,
                    e.max_prefill_tokens, StalenessConfig(cfg.staleness.max_versions, cfg.staleness.policy),
                    e.park_slots, stale, cfg.task.seed)
 
@@ -212,6 +274,22 @@ def measure(cfg: Config) -> dict:
     train_path, eval_path = dataset_paths(cfg.task, cfg.model.cache_dir)
     train = read_examples(train_path, cfg.task.prompt_key, cfg.task.answer_key)
     return measure_cpu_engine(cfg, str(ensure_model(cfg)), train, read_examples(eval_path))
+
+
+def combined_costs(costs: dict) -> dict:
+    """The decode curve and prefill per token of the uniform grid (its fastest runs), and the costs only the
+    in-situ steps show (a step's prefill path, restoring parked caches, the CPU between steps and at the
+    boundary), converted to the grid's speed by the ratio of the two fits at 64 rows of 72 tokens."""
+    g, f = costs["grid_fit"], costs["fit"]
+    c = f["c"] + f.get("per_attended", 0.0)
+    ratio = (f["a"] + 64 * f["b"] + 64 * 72 * c) / (g["a"] + 64 * g["b"] + 64 * 72 * g["c"])
+    fit = {"a": g["a"], "b": g["b"], "c": g["c"], "prefill_per_token": g["prefill_per_token"],
+           "prefill_per_step": f["prefill_per_step"] / ratio, "per_admitted": f["per_admitted"] / ratio,
+           "per_restored_token": f["per_restored_token"] / ratio, "speed_ratio": ratio}
+    between = costs["between_steps"]
+    return dict(costs, fit=fit, between_steps={
+        "boundary_per_aborted": between["boundary_per_aborted"] / ratio,
+        "by_mode": {m: dict(v, between_s=v["between_s"] / ratio) for m, v in between["by_mode"].items()}})
 
 
 def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
@@ -228,12 +306,14 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
     train_path, _ = dataset_paths(cfg.task, cfg.model.cache_dir)
     prompt_lens = [len(tok.encode(ex.prompt)) for ex in read_examples(train_path, cfg.task.prompt_key,
                                                                        cfg.task.answer_key)]
-    between = costs["between_steps_cpu_s_per_request"]
-    setting = cpu_setting(cfg, costs, prompt_lens, between["schedules"], between["boundary_per_aborted"])
-    bare = cpu_setting(cfg, costs, prompt_lens, 0.0)
+    costs = combined_costs(costs)
+    between = between_costs(costs["between_steps"])
+    setting = cpu_setting(cfg, costs, prompt_lens, between["per_request"], between["per_aborted"], between["per_step"])
+    bare = cpu_setting(cfg, costs, prompt_lens)
     bench = measured["config"]
     n, steps, warmup = bench["rollout_batch_size"], measured["sync"]["steps"], sim.warmup_steps
-    ceiling = study.ceiling_of(cpu_setting(cfg, costs, prompt_lens, between["probe"]), cfg.rollout.n_samples_per_prompt)
+    ceiling = study.ceiling_of(cpu_setting(cfg, costs, prompt_lens, per_step=between["probe_per_step"]),
+                               cfg.rollout.n_samples_per_prompt)
     bare_ceiling = study.ceiling_of(bare, cfg.rollout.n_samples_per_prompt)
     modes = [("sync", None)] + [(f"april_{f:g}", f) for f in bench["factors"]]
     rows = []
@@ -258,4 +338,5 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
     return {"ceiling_tok_s": {"measured": measured["saturated_tok_s"], "simulated": ceiling},
             "comparison": rows, "within_0.05": all(abs(r["error"]) <= 0.05 for r in rows),
             "setup": {"rollout_batch_size": n, "steps": steps, "warmup_steps": warmup, "fit": costs["fit"],
+                      "between_steps": between,
                       "lengths": {k: costs["setup"][k] for k in ("response_len_mean", "response_len_p99", "prompts")}}}
