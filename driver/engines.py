@@ -47,6 +47,10 @@ class EngineGroup:
     restarts: int = 0
     stats_skipped: int = 0
     """Engine statistics calls that found the engine down (that engine's stats are missing for the step)."""
+    weights_source: object = None
+    """A callable that puts the current weights in the object store (`LearnerGroup.weights_ref`): how a
+    restarted engine is caught up when the weights reached the servers by another channel
+    (engine.weight_sync broadcast, tensor or disk), for that engine alone."""
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, layout: Layout, version: int = 0,
@@ -92,14 +96,21 @@ class EngineGroup:
                 self.incarnations[e] = st["incarnation"]
                 self.restarts += 1
             if not st["serving"] or st["version"] != version:
-                if ref is None and version > 0:
-                    raise RuntimeError(f"engine {e} was restarted, and the weights of version {version} reached the "
-                                       "engines by another channel than the object store (engine.weight_sync): "
-                                       "restarted engines are caught up only from an object-store publish")
                 behind.append(e)
+        if behind and ref is None and version > 0:
+            ref = self._weights_in_object_store(version)
         done = settle([self.actors[e].update_weights.remote(ref, version) for e in behind], wait_s)
         failed = {e for e, out in zip(behind, done) if isinstance(out, Exception)}
         return [e for e, st in zip(engines, status) if not isinstance(st, Exception) and e not in failed]
+
+    def _weights_in_object_store(self, version: int):
+        """The weights of `version` went to the servers by another channel: put them in the object store
+        once (kept for further restarts until the next publish) for the restarted engines alone."""
+        if self.weights_source is None:
+            raise RuntimeError(f"an engine was restarted, and the weights of version {version} reached the "
+                               "engines by another channel than the object store, with no source to catch it up from")
+        self.weights = (self.weights_source(), version)
+        return self.weights[0]
 
     def serving(self, wait_s: float = 300.0) -> list[int]:
         """Every engine that serves the latest weights, waiting up to `wait_s` for at least one."""

@@ -37,6 +37,7 @@ class LearnerGroup:
                  for r, a in enumerate(self.actors)])
         self.model_path = str(model_path)
         self.sync = WEIGHT_SYNC[cfg.engine.weight_sync](self.actors, engines, cfg, self.model_path)
+        engines.weights_source = self.weights_ref  # a restarted engine is caught up from the object store
 
     def train(self, groups: list[list], version: int) -> dict[str, float]:
         """Whole groups go to one rank (advantages are per group); ranks fetch their own samples."""
@@ -45,6 +46,10 @@ class LearnerGroup:
         shards = [[ref for g in groups[r::world] for ref in g] for r in range(world)]
         results = ray.get([a.train.remote(shard, version) for a, shard in zip(self.actors, shards)])
         return {k: sum(r[k] for r in results) / world for k in results[0]}
+
+    def weights_ref(self):
+        """The current weights in the object store: every rank gathers (ZeRO-3), rank 0 puts them once."""
+        return ray.get([a.publish.remote() for a in self.actors])[0]
 
     def publish(self, engines, version: int) -> None:
         """Every engine serves the ranks' current weights as `version` when this returns."""
@@ -76,8 +81,7 @@ class ObjectStoreSync:
         pass
 
     def publish(self, version: int) -> None:
-        weights_ref = ray.get([a.publish.remote() for a in self.learners])[0]
-        self.engines.publish(weights_ref, version)
+        self.engines.publish(ray.get([a.publish.remote() for a in self.learners])[0], version)
 
 
 class BroadcastSync(ObjectStoreSync):

@@ -230,3 +230,34 @@ def test_an_engine_sigkilled_mid_step_is_restarted_caught_up_and_the_run_goes_on
     assert after["serving"] and after["version"] == 6  # caught up to the version published while it was down
     assert ray.get(actors.monitor.counters.remote())["alive_engines"] == [True, True]
     assert all(st is not None and st.num_generated_tokens > 0 for st in engines.stats())  # both serve again
+
+
+def test_a_restarted_engine_is_caught_up_from_the_weights_source_when_weights_went_another_way(
+        local_ray, tmp_path, model_dir, engines_of):
+    """Under engine.weight_sync broadcast / tensor / disk the servers get the weights directly and the
+    publish carries only the version; an engine restarted after that is brought to the current weights
+    through the object store, from the learners' `weights_ref`, once for however many restart."""
+    import os
+    import signal
+    import time
+
+    from april_ray.model import load_policy
+
+    cfg = small_cfg(tmp_path)
+    engines = engines_of(cfg, model_dir)
+    model, _ = load_policy(model_dir)
+    current = {k: v + 0.01 for k, v in model.state_dict().items()}  # "version 3", as the learner holds it
+    calls = []
+    engines.weights_source = lambda: calls.append(1) or ray.put(current)
+    engines.publish(None, 3)  # the servers got version 3 by broadcast; only the version went this way
+    assert engines.catch_up([0, 1], wait_s=30.0) == [0, 1] and not calls  # nobody restarted: nothing to fetch
+    victim = ray.get(engines.actors[1].status.remote())
+    os.kill(victim["pid"], signal.SIGKILL)
+    deadline = time.time() + 180
+    while engines.catch_up([0, 1], wait_s=2.0) != [0, 1] and time.time() < deadline:
+        time.sleep(1.0)
+    after = ray.get(engines.actors[1].status.remote())
+    assert after["pid"] != victim["pid"] and after["serving"] and after["version"] == 3
+    assert calls == [1] and engines.restarts == 1
+    actors, results = run_steps(cfg, model_dir, engines, 1, first_step=3)  # it serves again
+    assert results and len(results[0][0].groups) == cfg.rollout.rollout_batch_size
