@@ -149,15 +149,19 @@ class Learner:
                        "train/response_len_mean": total_tokens / len(samples), "train/num_samples": len(samples),
                        "train/lr": self.cfg.lr}
 
-    def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
+    def micro_batches(self, samples: list[Sample]) -> tuple[list[list[int]], int]:
+        """(length-sorted micro-batches, how many of them are this rank's own). Every rank runs as many: a
+        rank that cuts fewer than another repeats its last one, which weighs 0 in the loss (ZeRO-2/3
+        communicate in every micro-batch's forward or backward)."""
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        return padded_chunks(lengths, self.cfg.micro_batch_tokens, self.cfg.max_spread)
+        chunks = padded_chunks(lengths, self.cfg.micro_batch_tokens, self.cfg.max_spread)
+        return chunks + [chunks[-1]] * (self.optim.most_of_any_rank(len(chunks)) - len(chunks)), len(chunks)
 
     @torch.no_grad()
     def proximal_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         """pi_old: every sample's response-token logprobs under the current weights (one no-grad forward)."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        for idx in self.micro_batches(samples):
+        for idx in self.micro_batches(samples)[0]:  # a repeat recomputes the same values
             part = [samples[i] for i in idx]
             ids = collate(part, self.pad_id)["input_ids"].to(self.device)
             for i, lp in zip(idx, response_logprobs(token_logprobs(self.model, ids, self.temperature), part)):
@@ -166,13 +170,13 @@ class Learner:
 
     def _optimiser_step(self, samples, adv, old, version) -> dict[str, float]:
         """One optimiser step on a mini-batch, accumulated over its micro-batches."""
-        chunks = self.micro_batches(samples)
+        chunks, num_own = self.micro_batches(samples)
         batches = []
         for idx in chunks:
             part = [samples[i] for i in idx]
             batch = collate(part, self.pad_id, [old[i] for i in idx] if old is not None else None)
             batches.append(({key: t.to(self.device) for key, t in batch.items()}, adv[idx].to(self.device)))
-        units = [self._loss_units(b, version) for b, _ in batches]
+        units = [self._loss_units(b, version) if j < num_own else (0.0, 0.0) for j, (b, _) in enumerate(batches)]
         total = [max(1.0, sum(u[j] for u in units)) for j in range(2)]
         sums: dict[str, float] = {}
         for k, ((batch, a), (policy_units, tokens)) in enumerate(zip(batches, units)):
@@ -182,7 +186,7 @@ class Learner:
             for key, v in stats.items():  # metrics weighted like the loss they come from
                 sums[key] = sums.get(key, 0.0) + v * shares[1]
         grad_norm = self.optim.step()
-        return sums | {"train/grad_norm": grad_norm, "train/num_micro_batches": len(chunks)}
+        return sums | {"train/grad_norm": grad_norm, "train/num_micro_batches": num_own}
 
     def _loss_units(self, batch, version) -> tuple[float, float]:
         """(policy-loss units, kept tokens) of a micro-batch: the policy loss averages over tokens

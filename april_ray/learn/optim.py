@@ -28,6 +28,10 @@ class TorchOptim:
     def backward(self, loss: torch.Tensor, is_last: bool) -> None:
         loss.backward()
 
+    def most_of_any_rank(self, n: int) -> int:
+        """One rank: its own count."""
+        return n
+
     def step(self) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
@@ -70,6 +74,16 @@ class DeepSpeedOptim:
     @property
     def steps(self) -> int:
         return self.model.global_steps
+
+    def most_of_any_rank(self, n: int) -> int:
+        """The largest `n` over the data-parallel ranks. ZeRO-2/3 communicate in every micro-batch's
+        forward or backward (gradient reduce-scatter, parameter gathers), so every rank must run as many
+        micro-batches as the rank with the most."""
+        import torch.distributed as dist
+
+        t = torch.tensor([n], dtype=torch.long, device=self.model.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     def backward(self, loss: torch.Tensor, is_last: bool) -> None:
         self.model.set_gradient_accumulation_boundary(is_last)

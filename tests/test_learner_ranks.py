@@ -1,0 +1,49 @@
+"""Two DeepSpeed learner ranks over gloo whose shares of a batch cut into different numbers of
+micro-batches: ZeRO-2 and -3 communicate in every micro-batch, so the ranks must agree on how many they
+run (a rank with fewer repeats its last, weighed 0). Before they did, the collectives of the two ranks went
+out of step ("Received data size doesn't match expected size")."""
+import socket
+
+import pytest
+import torch.multiprocessing as mp
+
+
+def _rank(rank: int, world: int, port: int, model_dir: str, stage: int, out: dict) -> None:
+    import os
+
+    from april_ray.config import AlgorithmConfig, LearnerConfig
+    from april_ray.types import FinishReason, Sample, SampleState
+
+    from april_ray.learn.learner import Learner
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    cfg = LearnerConfig(backend="deepspeed", zero_stage=stage, lr=1e-3, micro_batch_tokens=64, max_spread=2.0)
+    learner = Learner(model_dir, cfg, AlgorithmConfig(), 1.0, 64, rank=rank, world_size=world, master_port=port)
+    # rank 0: responses of one length (one micro-batch); rank 1: lengths 2..40 (several micro-batches)
+    lengths = [8] * 4 if rank == 0 else [2, 5, 11, 40]
+    samples = [Sample(f"r{rank}s{i}", f"r{rank}", "p", "a", [5, 6, 7], 64, response_ids=[9] * n,
+                      logprobs=[-1.0] * n, versions=[0] * n, state=SampleState.FINISHED,
+                      finish_reason=FinishReason.STOP, reward=float(i % 2)) for i, n in enumerate(lengths)]
+    own = learner.micro_batches(samples)[1]
+    metrics = learner.train_step(samples, version=0)
+    out[rank] = {"own": own, "num_micro_batches": metrics["train/num_micro_batches"]}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ranks_with_different_micro_batch_counts_step_together(random_model_dir, stage):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        out = manager.dict()
+        procs = [ctx.Process(target=_rank, args=(r, 2, port, str(random_model_dir), stage, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(240)
+        assert [p.exitcode for p in procs] == [0, 0], "a rank failed or hung"
+        results = dict(out)
+    assert results[0]["own"] < results[1]["own"], results  # the case under test: the cuts differ
+    assert [results[r]["num_micro_batches"] for r in range(2)] == [results[r]["own"] for r in range(2)]
