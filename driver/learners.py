@@ -4,9 +4,11 @@ bundles (or sharing the engines' bundles when colocated), and how their weights 
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import ray
+from ray.exceptions import OutOfMemoryError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.learner import LearnerActor
@@ -18,6 +20,30 @@ from april_ray.placement import actor_resources
 # other jobs) a spinning thread burns the time slice its partner needs, and 2-thread steps of the tiny model
 # took 20-40x longer than 1-thread ones (BENCHMARKS.md, step breakdown). Set before torch loads in the actor.
 LEARNER_ENV = {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
+
+
+class LearnerDied(RuntimeError):
+    pass
+
+
+def learner_died(out: Path, step: int, error: Exception) -> LearnerDied:
+    """The policy and optimiser state since the last checkpoint live only in the ranks (a surviving ZeRO
+    rank holds a part of the optimiser state, and its collectives would wait for the dead one), so no
+    newer consistent checkpoint can be written: the last one, with its store and cursor, is where to go on."""
+    pointer = out / "latest"
+    ckpt = out / pointer.read_text().strip() if pointer.is_file() else None
+    where = f"from {ckpt}" if ckpt else "from the start (no checkpoint yet)"
+    return LearnerDied(f"step {step}: a learner rank died ({type(error).__name__}: {str(error)[:300]}). The job "
+                       f"stops; `train.resume=true` goes on {where}, redoing the steps after it")
+
+
+@contextmanager
+def stop_if_a_rank_dies(out: Path, step: int):
+    """A learner rank's process that dies (or Ray's OOM killer ends) stops the job with `LearnerDied`."""
+    try:
+        yield
+    except (RayActorError, OutOfMemoryError) as e:
+        raise learner_died(out, step, e) from e
 
 
 class LearnerGroup:

@@ -9,10 +9,39 @@ account for every group taken from the source: returned, dropped or stored (`job
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from april_ray.learn.algorithms import trained_staleness_max
 from april_ray.types import StepResult
+
+
+def staleness_metrics(hist: dict[int, int], mask_older_than: int) -> dict[str, float]:
+    """Batch tokens by age in policy versions, as fractions (rollout/staleness_hist/<age>), and the age of
+    the oldest token the learner does not mask (rollout/max_trained_staleness)."""
+    total = max(1, sum(hist.values()))
+    return {f"rollout/staleness_hist/{age}": n / total for age, n in hist.items()} | {
+        "rollout/max_trained_staleness": trained_staleness_max(hist, mask_older_than)}
+
+
+class PhaseClock:
+    """Seconds per phase of a step (`time/<phase>_s`) and their totals over the run."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    def start(self) -> None:
+        self.t, self.step = time.perf_counter(), {}
+
+    def mark(self, phase: str) -> None:
+        """The time since the last mark (or the start) was spent in `phase`."""
+        now = time.perf_counter()
+        self.step[phase] = now - self.t
+        self.totals[phase] = self.totals.get(phase, 0.0) + now - self.t
+        self.t = now
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{phase}_s": seconds for phase, seconds in self.step.items()}
 
 
 class GroupLog:

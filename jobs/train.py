@@ -14,47 +14,21 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 from pathlib import Path
 
 import ray
-from ray.exceptions import OutOfMemoryError, RayActorError
 
 from jobs.common import init_ray, parse, write_result
 from actors.metrics import DriverMetrics
 from april_ray.config import to_yaml
-from april_ray.learn.algorithms import trained_staleness_max
 from april_ray.tracking import Tracker, truncate_step_logs
 from driver.checkpoint import find_checkpoint, restore_checkpoint, save_checkpoint
 from driver.engines import EngineGroup
 from driver.evaluator import Evaluator
-from driver.learners import LearnerGroup
-from driver.records import GroupLog
+from driver.learners import LearnerGroup, stop_if_a_rank_dies
+from driver.records import GroupLog, PhaseClock, staleness_metrics
 from driver.rollout import RolloutGroup
 from driver.setup import prepare
-
-
-def staleness_metrics(hist: dict[int, int], mask_older_than: int) -> dict[str, float]:
-    """Batch tokens by age in policy versions, as fractions (rollout/staleness_hist/<age>), and the age of
-    the oldest token the learner does not mask (rollout/max_trained_staleness)."""
-    total = max(1, sum(hist.values()))
-    return {f"rollout/staleness_hist/{age}": n / total for age, n in hist.items()} | {
-        "rollout/max_trained_staleness": trained_staleness_max(hist, mask_older_than)}
-
-
-class LearnerDied(RuntimeError):
-    pass
-
-
-def learner_died(out: Path, step: int, error: Exception) -> LearnerDied:
-    """The policy and optimiser state since the last checkpoint live only in the ranks (a surviving ZeRO
-    rank holds a part of the optimiser state, and its collectives would wait for the dead one), so no
-    newer consistent checkpoint can be written: the last one, with its store and cursor, is where to go on."""
-    pointer = out / "latest"
-    ckpt = out / pointer.read_text().strip() if pointer.is_file() else None
-    where = f"from {ckpt}" if ckpt else "from the start (no checkpoint yet)"
-    return LearnerDied(f"step {step}: a learner rank died ({type(error).__name__}: {str(error)[:300]}). The job "
-                       f"stops; `train.resume=true` goes on {where}, redoing the steps after it")
 
 
 def train(cfg) -> dict:
@@ -85,37 +59,31 @@ def train(cfg) -> dict:
     tracker.bar.write(f"held-out accuracy before: {json.dumps(before)}")
     t0 = time.perf_counter()
     train_s, history = 0.0, [(0.0, before["eval/accuracy_t1"])]  # training time excludes evaluation
-    phase_s = Counter()  # seconds per phase over the run, for the summary
+    clock = PhaseClock()  # seconds per phase of each step, and over the run
 
     records = GroupLog(out, cfg.staleness.mask_older_than, fresh=not cfg.train.resume)
     step = start - 1
     for step in range(start, cfg.train.num_steps):
-        t_step = time.perf_counter()
+        clock.start()
         batch = engines.run_step(rollout.monitor, step, version)         # APRIL rollout, refs only
         metrics = batch.metrics | staleness_metrics(batch.staleness, cfg.staleness.mask_older_than)
         metrics |= engines.occupancy_metrics()
-        t_learn = time.perf_counter()
-        try:
+        clock.mark("rollout")
+        with stop_if_a_rank_dies(out, step):
             metrics |= learners.train(batch.groups, version)             # ranks fetch their own shares
+            clock.mark("learner")
             version += 1
-            t_sync = time.perf_counter()
             learners.publish(engines, version)                            # engines adopt the new weights
-        except (RayActorError, OutOfMemoryError) as e:  # a rank's process died (Ray's OOM killer: the latter)
-            raise learner_died(out, step, e) from e
+            clock.mark("weight_sync")
         records.step(step, version - 1, batch)
-        phases = {"rollout": t_learn - t_step, "learner": t_sync - t_learn,
-                  "weight_sync": time.perf_counter() - t_sync}
-        train_s += time.perf_counter() - t_step
+        train_s += sum(clock.step.values())
         if (step + 1) % cfg.train.eval_every == 0:
-            t_eval = time.perf_counter()
             metrics |= evaluator.run()
-            phases["eval"] = time.perf_counter() - t_eval
+            clock.mark("eval")
             exported.record_eval(metrics)
             history.append((train_s, metrics["eval/accuracy_t1"]))
-        exported.record_step(step + 1, phases, metrics["rollout/reward_mean"])
-        metrics |= {f"time/{phase}_s": seconds for phase, seconds in phases.items()}
-        phase_s.update(phases)
-        metrics |= ray.get(rollout.store.stats.remote(version))
+        exported.record_step(step + 1, clock.step, metrics["rollout/reward_mean"])
+        metrics |= clock.metrics() | ray.get(rollout.store.stats.remote(version))
         tracker.log(step, metrics | {"train/version": version, "time/wall_s": time.perf_counter() - t0})
         if (step + 1) % cfg.train.save_every == 0:  # after the step's rows: a resume never lacks them
             save_checkpoint(out, step, version, learners, rollout)
@@ -135,7 +103,7 @@ def train(cfg) -> dict:
                "accuracy_after_greedy": after.get("eval/accuracy_greedy"),
                "steps": cfg.train.num_steps - start, "wall_s": time.perf_counter() - t0,
                "final_version": version, "output_dir": str(out), "train_s": train_s, "history": history,
-               "time_s": {f"{phase}_s": round(t, 3) for phase, t in phase_s.items()}}
+               "time_s": {f"{phase}_s": round(t, 3) for phase, t in clock.totals.items()}}
     return summary
 
 

@@ -77,7 +77,7 @@ def test_chaos_engine_kills_lose_and_repeat_nothing(tmp_path, random_model_dir):
 
 
 def test_a_dead_learner_rank_names_the_checkpoint_to_resume_from(tmp_path):
-    from jobs.train import learner_died
+    from driver.learners import learner_died
 
     err = learner_died(tmp_path, 7, RuntimeError("rank 0 exited"))
     assert "step 7" in str(err) and "from the start (no checkpoint yet)" in str(err)
