@@ -202,9 +202,17 @@ def test_an_engine_sigkilled_mid_step_is_restarted_caught_up_and_the_run_goes_on
     victim = 1
     before = ray.get(engines.actors[victim].status.remote())
     seen, crashes, killed = set(), [], []
+
+    def kill_when_busy():
+        deadline = time.time() + 60
+        while ray.get(engines.actors[victim].stats.remote(False)).num_running == 0 and time.time() < deadline:
+            time.sleep(0.005)
+        os.kill(before["pid"], signal.SIGKILL)
+        killed.append(time.time())
+
     for step in range(6):
-        if step == 1:  # mid-step: the step is under way when the kill lands
-            threading.Timer(0.1, lambda: (os.kill(before["pid"], signal.SIGKILL), killed.append(time.time()))).start()
+        if step == 1:  # mid-step: the kill lands once the victim runs requests of this step
+            threading.Thread(target=kill_when_busy, daemon=True).start()
         result = engines.run_step(actors.monitor, step, step)
         if step == 1:
             assert killed, "the kill should land while step 1 runs"
