@@ -211,11 +211,10 @@ def test_an_engine_sigkilled_mid_step_is_restarted_caught_up_and_the_run_goes_on
         killed.append(time.time())
 
     for step in range(6):
-        if step == 1:  # mid-step: the kill lands once the victim runs requests of this step
+        if step == 1:  # mid-step: the kill lands once the victim runs requests of a step (a step whose
+            # batch is all surplus groups carried over from the one before runs nothing, so not always step 1)
             threading.Thread(target=kill_when_busy, daemon=True).start()
         result = engines.run_step(actors.monitor, step, step)
-        if step == 1:
-            assert killed, "the kill should land while step 1 runs"
         crashes.append(result.metrics["rollout/engine_crashes"])
         samples = fetch([h for group in result.groups for h in group])
         assert len(result.groups) == cfg.rollout.rollout_batch_size
@@ -227,7 +226,7 @@ def test_an_engine_sigkilled_mid_step_is_restarted_caught_up_and_the_run_goes_on
         counters = ray.get(actors.monitor.counters.remote())
         assert taken == counters["returned_groups"] + counters["dropped_groups"] + ray.get(actors.store.size.remote())
         engines.publish(weights, step + 1)
-    assert crashes[1] == 1 and sum(crashes) == 1, crashes  # seen mid-step, once
+    assert killed and sum(crashes) == 1, (killed, crashes)  # the kill landed mid-step, and was seen once
     deadline = time.time() + 180  # restarting takes a while on a loaded machine: wait until it is back
     while len(engines.catch_up([0, 1], wait_s=2.0)) < 2 and time.time() < deadline:
         time.sleep(1.0)
