@@ -22,12 +22,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Protocol
 
 from april_ray.config import RolloutConfig
 from april_ray.rollout.engine_worker import sample_meta
+from april_ray.rollout.step_state import Call, EngineLoads, Flight, StepState
 from april_ray.types import Group, SampleMeta, SampleState, StepResult
 
 
@@ -47,81 +46,6 @@ class EnginePool(Protocol):
 
     async def abort_all(self, step, engines: list[int]) -> None:
         """Close the step token on these engines and abort what they run (idempotent)."""
-
-
-@dataclass
-class Flight:
-    """A group during one step: per sample, its latest handle (or the value it entered with) and state."""
-
-    group: Group
-    handles: list[Any]
-    states: list[SampleState]
-    metas: list[SampleMeta | None]
-    engine: int = -1
-    """Engine of its latest call (where its samples' KV caches are parked after an abort)."""
-
-    @classmethod
-    def of(cls, group: Group) -> "Flight":
-        return cls(group, list(group.samples), [s.state for s in group.samples], [None] * len(group.samples),
-                   group.engine)
-
-    @property
-    def complete(self) -> bool:
-        return all(s == SampleState.FINISHED for s in self.states)
-
-    def as_group(self) -> Group:
-        """The group with handles in place of samples (the store or the learner resolves them)."""
-        return Group(self.group.group_id, self.group.prompt_index, self.handles, self.group.created_step, self.engine)
-
-
-@dataclass
-class Call:
-    """One outstanding `generate` call: some samples of one group on one engine."""
-
-    group_id: str
-    indices: list[int]
-    """Which samples of the group it carries."""
-    engine: int
-    handles: list[Any]
-    """A handle per carried sample, for its result."""
-    sent_s: float = 0.0
-
-
-@dataclass
-class StepState:
-    step: int
-    version: int
-    token: tuple
-    """Sent with every call and abort of this step: (monitor run id, step)."""
-    load: list[int]
-    """Samples in flight per engine."""
-    flights: dict[str, Flight] = field(default_factory=dict)
-    queue: deque = field(default_factory=deque)
-    """Ids of groups with unfinished samples waiting to be dispatched."""
-    pending: dict[asyncio.Future, Call] = field(default_factory=dict)
-    completed: list[str] = field(default_factory=list)
-    dropped: dict[str, str] = field(default_factory=dict)
-    call_errors: list[str] = field(default_factory=list)
-    generated_tokens: int = 0
-    num_fresh: int = 0
-    num_resumed: int = 0
-    store_empty: bool = False
-    """Only this monitor writes to the store, and only at a step's end: once it came back short, it stays so."""
-    start_s: float = 0.0
-    abort_latency_s: float = 0.0
-    abort_resends: int = 0
-    engine_crashes: int = 0
-    crash_tokens_lost: float = 0.0
-    sample_seconds: float = 0.0
-    """Seconds on an engine summed over the samples of every returned call, with `generated_tokens` the
-    step's per-sequence token rate."""
-
-    @property
-    def num_incomplete(self) -> int:
-        return len(self.flights) - len(self.completed) - len(self.dropped)
-
-    def partial_ids(self) -> list[str]:
-        return [g for g in self.flights if g not in self.dropped and g not in self.completed]
 
 
 def filter_reason(metas: list[SampleMeta]) -> str | None:
@@ -157,7 +81,7 @@ class CompletionMonitor:
     # -- one step ---------------------------------------------------------------------------------------
     async def step(self, step: int, version: int) -> StepResult:
         t0 = self.clock()
-        s = StepState(step, version, (self.run_id, step), [0] * len(self.pool.capacities))
+        s = StepState(step, version, (self.run_id, step), EngineLoads(self.pool.capacities))
         for group in await self.store.take_complete():  # surplus of the previous step comes first
             self._register(s, group, dispatch=False)
             self._group_done(s, group.group_id)
@@ -179,8 +103,7 @@ class CompletionMonitor:
             if not s.pending:
                 self._dispatch(s)
                 continue
-            done, _ = await asyncio.wait(s.pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
+            for fut in await s.completions.wait():
                 self._on_result(s, fut)
             failure = self._call_error(s) or await self._top_up(s)
             if failure:
@@ -257,24 +180,27 @@ class CompletionMonitor:
         would otherwise rival a tiny model's decode step. The engine's own scheduler enforces its
         concurrency cap (excess requests wait in its queue, as on an SGLang server).
         """
-        live = [e for e, ok in enumerate(self.alive) if ok]
-        while s.queue and live:
-            gid = s.queue.popleft()
-            flight = s.flights[gid]
+        while s.queue:
+            flight = s.flights[s.queue[0]]
             idx = [i for i, st in enumerate(flight.states) if st != SampleState.FINISHED]
             engine = flight.engine
             if engine < 0 or not self.alive[engine] or s.load[engine] + len(idx) > self.pool.capacities[engine]:
-                engine = min(live, key=lambda e: s.load[e] / self.pool.capacities[e])
+                engine = s.load.least(self.alive)
+                if engine is None:  # every engine is dead: the group waits for one to come back
+                    return
+            gid = s.queue.popleft()
             flight.engine = engine
             fut, handles = self.pool.generate(engine, [flight.handles[i] for i in idx], s.token)
-            s.pending[asyncio.ensure_future(fut)] = Call(gid, idx, engine, handles, self.clock())
+            fut = asyncio.ensure_future(fut)
+            s.pending[fut] = Call(gid, idx, engine, handles, self.clock())
+            s.completions.watch(fut)
             for i in idx:
                 flight.states[i] = SampleState.RUNNING
-            s.load[engine] += len(idx)
+            s.load.add(engine, len(idx))
 
     def _on_result(self, s: StepState, fut: asyncio.Future) -> None:
         call = s.pending.pop(fut)
-        s.load[call.engine] -= len(call.indices)
+        s.load.add(call.engine, -len(call.indices))
         flight = s.flights[call.group_id]
         try:
             metas = fut.result()
@@ -325,7 +251,7 @@ class CompletionMonitor:
         await self.pool.abort_all(s.token, [e for e, ok in enumerate(self.alive) if ok])
         resends = 0
         while s.pending:
-            done, _ = await asyncio.wait(s.pending, timeout=self.cfg.abort_resend_s)
+            done = await s.completions.wait(self.cfg.abort_resend_s)
             if not done:
                 resends += 1
                 await self.pool.abort_all(s.token, [e for e, ok in enumerate(self.alive) if ok])
