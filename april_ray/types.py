@@ -12,6 +12,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def with_fields(obj, **changes):
+    """A shallow copy of a message with some fields changed: `dataclasses.replace` without re-running
+    `__init__`, which on the rollout's hot path (a sample and its sampling parameters are copied for every
+    engine call) cost more than the rest of the worker's bookkeeping. List fields are shared: messages
+    replace a list, never change one in place (`Sample.extend`)."""
+    unknown = changes.keys() - obj.__dict__.keys()
+    if unknown:
+        raise TypeError(f"{type(obj).__name__} has no field(s) {sorted(unknown)}")
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"      # a stop token was sampled (it is included in token_ids)
     LENGTH = "length"  # the token budget or the context ran out

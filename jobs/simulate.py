@@ -64,8 +64,8 @@ def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float
         if ceiling is None:  # every engine is alike, whatever their number
             ceiling = study.ceiling_of(setting, cfg.rollout.n_samples_per_prompt)
         n = study.batch_for(cfg, setting.num_engines)
-        sync = study.run_schedule(setting, study.rollout_for(cfg, n, None), sim.steps, sim.warmup_steps,
-                                  "latency", ceiling)
+        # sync carries nothing from one step to the next (no store, every engine drained): no warm-up
+        sync = study.run_schedule(setting, study.rollout_for(cfg, n, None), sim.steps, 0, "latency", ceiling)
         for f in factors:
             april = study.run_schedule(setting, study.rollout_for(cfg, n, f), sim.steps, sim.warmup_steps,
                                        "latency", ceiling)

@@ -83,6 +83,9 @@ def test_decode_cost_against_hand_computation():
     big = StepCost(0.0, ((1.0, 0.0, 0.01), (3.0, 0.0, 0.0)), 0.0, 0.0)
     assert big.decode_span(1, 0.0, 500) == pytest.approx(sum(big.step(1, j) for j in range(500)))
     assert big.steps_within(1, 0.0, 500, big.decode_span(1, 0.0, 123)) == 123
+    three = StepCost(0.001, ((1.0, 0.0, 0.01), (3.0, 0.0, 0.0), (0.0, 0.5, 0.02)), 0.0, 0.0)
+    for rows, ctx, n in ((1, 0.0, 500), (3, 10.0, 77), (2, 400.0, 1)):
+        assert three.decode_span(rows, ctx, n) == pytest.approx(sum(three.step(rows, ctx + rows * j) for j in range(n)))
     prefill = cost.admission([(0, 1000), (200, 300)])
     pairs = 1000 * 1001 / 2 + (300 * 301 - 200 * 201) / 2
     assert prefill == pytest.approx((1100 * 2 * m.num_params + pairs * 4 * 36 * 32 * 128) / fl)

@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections import deque
+from collections import Counter, deque
 
 from april_ray.config import EngineConfig, SamplingConfig, StalenessConfig, TaskConfig
 from april_ray.engine.probe import saturated_throughput
 from april_ray.task.rewards import RewardRunner
-from april_ray.types import GenerateRequest, Sample, SampleMeta, SampleState, SamplingParams
+from april_ray.types import GenerateRequest, Sample, SampleMeta, SampleState, SamplingParams, with_fields
 
 
 def sample_meta(sample: Sample, num_new_tokens: int) -> SampleMeta:
-    counts: dict[int, int] = {}
-    for v in sample.versions:
-        counts[v] = counts.get(v, 0) + 1
     return SampleMeta(sample.sample_id, sample.group_id, sample.state, num_new_tokens,
-                      len(sample.response_ids), sample.reward, counts)
+                      len(sample.response_ids), sample.reward, dict(Counter(sample.versions)))
 
 
 def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig, task: TaskConfig,
@@ -64,8 +61,8 @@ class EngineWorker:
     async def generate(self, sample: Sample, step) -> tuple[SampleMeta, Sample]:
         if step in self.closed_steps:
             return sample_meta(sample, 0), sample
-        sample = dataclasses.replace(sample, num_resumes=sample.num_resumes + bool(sample.response_ids))
-        sp = dataclasses.replace(self.sampling, max_new_tokens=sample.remaining_budget)
+        sample = with_fields(sample, num_resumes=sample.num_resumes + bool(sample.response_ids))
+        sp = with_fields(self.sampling, max_new_tokens=sample.remaining_budget)
         out = await self.engine.generate(GenerateRequest(f"{sample.sample_id}@{step}", sample.input_ids, sp))
         sample.extend(out)
         if sample.state == SampleState.FINISHED:

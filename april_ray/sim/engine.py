@@ -239,8 +239,10 @@ class SimEngine:
             self.parked.popitem(last=False)
 
     def _resolve(self, r: _Request, reason: FinishReason) -> None:
-        n = sum(c for _, c in r.runs)
-        versions = [v for v, c in r.runs for _ in range(c)]
+        versions: list[int] = []
+        for v, c in r.runs:
+            versions += [v] * c
+        n = len(versions)
         if not r.fut.done():
             r.fut.set_result(GenerateOutput(r.request_id, [r.token] * n, [-1.0] * n, versions, reason))
 

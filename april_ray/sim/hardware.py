@@ -133,13 +133,18 @@ class StepCost:
         if n <= 0:
             return 0.0
         lines = [(a + b * rows + c * context, c * rows) for a, b, c in self.terms]  # step j: u + v * j
-        cuts = sorted({0.0, float(n)} | {x for (u1, v1) in lines for (u2, v2) in lines
-                                          if v1 != v2 and 0 < (x := (u2 - u1) / (v1 - v2)) < n})
+        cuts = [0, n]  # steps j in [cut, next cut): one line is the largest
+        for i, (u1, v1) in enumerate(lines):
+            for u2, v2 in lines[i + 1:]:
+                if v1 != v2 and 0 < (x := (u2 - u1) / (v1 - v2)) < n:
+                    cuts.append(math.ceil(x))
+        if len(cuts) > 2:
+            cuts = sorted(set(cuts))
         total = self.t0 * n
-        for lo, hi in zip(cuts, cuts[1:]):  # steps j in [ceil(lo), ceil(hi)): one line is the largest
-            j0, j1 = math.ceil(lo), math.ceil(hi)
+        for j0, j1 in zip(cuts, cuts[1:]):
             if j1 > j0:
-                u, v = max(lines, key=lambda l: l[0] + l[1] * (j0 + j1 - 1) / 2)
+                mid = (j0 + j1 - 1) / 2
+                u, v = max(lines, key=lambda l: l[0] + l[1] * mid)
                 k = j1 - j0
                 total += k * u + v * (j0 * k + k * (k - 1) / 2)
         return total

@@ -12,7 +12,7 @@ import dataclasses
 import time
 
 from april_ray.config import Config, ConfigError
-from april_ray.sim.clock import VirtualLoop, run_virtual
+from april_ray.sim.clock import VirtualLoop, rare_collections, run_virtual
 from april_ray.sim.cluster import CONTROL_PLANE, OTHER, Schedule, Setting, saturated
 from april_ray.sim.config import SimulateConfig
 from april_ray.sim.hardware import ACCELERATORS, gpu_step_cost, kv_capacity_tokens, model_spec
@@ -86,7 +86,8 @@ def run_schedule(setting: Setting, rollout, steps: int, warmup: int, clock: str,
                                          "rollout_batch_size": rollout.rollout_batch_size,
                                          "over_sampling_batch_size": rollout.over_sampling_batch_size}
 
-    return run_virtual(main)
+    with rare_collections():
+        return run_virtual(main)
 
 
 def ceiling_of(setting: Setting, n_samples: int) -> float:
@@ -95,7 +96,8 @@ def ceiling_of(setting: Setting, n_samples: int) -> float:
     async def main(loop: VirtualLoop) -> float:
         return await saturated(dataclasses.replace(setting, num_engines=1), loop, n_samples)
 
-    return run_virtual(main)
+    with rare_collections():
+        return run_virtual(main)
 
 
 def learner_s(cfg: Config, sim: SimulateConfig, gpus: int, tokens: float) -> float:
@@ -150,5 +152,5 @@ def assumptions(cfg: Config, sim: SimulateConfig, setting: Setting) -> dict:
                          "(latency: completions that arrive meanwhile wait for the monitor), engines unaffected",
         "ceiling": "one engine kept full at max_num_seqs (and its KV cache) on the same length mix, x engines",
         "staleness": {"max_versions": cfg.staleness.max_versions, "policy": cfg.staleness.policy},
-        "steps": {"measured": sim.steps, "warmup": sim.warmup_steps},
+        "steps": {"measured": sim.steps, "warmup (APRIL only; sync carries nothing over)": sim.warmup_steps},
     }

@@ -20,6 +20,7 @@ in 512 blocks of 32) and every figure it reports is converted back to tokens.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -63,14 +64,19 @@ class LengthModel:
         self.rows = rows or {}
         self.row_keys = sorted(self.rows)
 
+    @functools.lru_cache(maxsize=1 << 17)  # a sample's length is looked up at every call that carries it
     def __call__(self, row: int, sample_key: str) -> int:
         if self.family == "task":
             return self._measured(row, sample_key)
-        z = math.sqrt(self.rho) * _normal(self.seed, "prompt", row) + \
+        z = math.sqrt(self.rho) * self._prompt_score(row) + \
             math.sqrt(1 - self.rho) * _normal(self.seed, "sample", sample_key)
         if self.family == "lognormal":
             return max(1, int(round(self.median * math.exp(self.sigma * z))))
         return self.sorted[min(len(self.sorted) - 1, int(_NORMAL.cdf(z) * len(self.sorted)))]
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def _prompt_score(self, row: int) -> float:
+        return _normal(self.seed, "prompt", row)
 
     def _measured(self, row: int, sample_key: str) -> int:
         """The prompt's own measured lengths (another measured prompt's, by hash, if it was not measured)."""
