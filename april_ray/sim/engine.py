@@ -58,6 +58,10 @@ class _Span:
     prefill_s: float
     n: int
     stall0: float
+    decode_s: float = 0.0
+    """The n decode steps' time (without prefill and stalls)."""
+    poked_at: float = -1.0
+    """When a change last cut the span (more changes at that instant cut it at the same step)."""
 
 
 class SimEngine:
@@ -157,18 +161,23 @@ class SimEngine:
         if self.timer is None:
             self.timer = self.loop.call_at(max(self.loop.time(), self.t_free), self._boundary)
             return
-        s = self.span
-        if s is None or s.n <= 1:
+        s, now = self.span, self.loop.time()
+        if s is None or s.n <= 1 or s.poked_at == now:
             return
-        elapsed = self.loop.time() - s.t_start - s.prefill_s - (self.loop.stall_s - s.stall0 if self.loop.stall else 0)
+        s.poked_at = now
+        elapsed = now - s.t_start - s.prefill_s - (self.loop.stall_s - s.stall0 if self.loop.stall else 0)
         done = self.cost.steps_within(s.rows, s.context * self.block, s.n * self.block, max(0.0, elapsed)) // self.block
         if done + 1 < s.n:
-            s.n = done + 1
+            self._set_steps(s, done + 1)
             self.timer.cancel()
             self.timer = self.loop.call_at(self._span_end(s), self._boundary)
 
+    def _set_steps(self, s: _Span, n: int) -> None:
+        s.n = n
+        s.decode_s = self.cost.decode_span(s.rows, s.context * self.block, n * self.block)
+
     def _span_end(self, s: _Span) -> float:
-        end = s.t_start + s.prefill_s + self.cost.decode_span(s.rows, s.context * self.block, s.n * self.block)
+        end = s.t_start + s.prefill_s + s.decode_s
         return end + (self.loop.stall_s - s.stall0 if self.loop.stall else 0.0)
 
     def _boundary(self) -> None:
@@ -292,6 +301,7 @@ class SimEngine:
         n = max(1, min(to_finish, room))
         start = self.t_free if continuing else max(self.t_free, self.loop.time())
         self.span = _Span(start, rows, self.context, self._prefill_s, n, self.loop.stall_s)
+        self._set_steps(self.span, n)
         self.timer = self.loop.call_at(self._span_end(self.span), self._boundary)
 
     def _retract(self) -> None:

@@ -135,8 +135,13 @@ class Workload:
         key = request.request_id.rpartition("@")[0] or request.request_id
         row = request.input_ids[0]
         done = len(request.input_ids) - self.blocks(self.prompt_lens[row])
-        rewarded = sample_index(key) == 0 and _uniform(self.seed, "filter", row) >= self.filtered_fraction
+        rewarded = sample_index(key) == 0 and not self.filtered(row)
         return self.blocks(self.lengths(row, key)) - done, int(rewarded)
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def filtered(self, row: int) -> bool:
+        """Whether every sample of this prompt gets reward 0 (the dynamic filter drops its groups)."""
+        return _uniform(self.seed, "filter", row) < self.filtered_fraction
 
     def response_len(self, row: int, sample_key: str) -> int:
         """Blocks a sample ends with: its drawn length, capped by the budget."""
