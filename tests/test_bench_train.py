@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.bench.train import accuracy_at, report, time_to
+from jobs.bench.train import accuracy_at, report, reused_runs, time_to
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,6 +46,19 @@ def test_report_by_hand():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # four jobs of two steps, each starting its actors
+def test_reuse_takes_runs_by_mode_and_seed_and_refuses_another_config(tmp_path):
+    runs = {"sync": [record([(0, 0.3), (50, 0.36)]), record([(0, 0.3), (60, 0.33)])],
+            "april": [record([(0, 0.3), (30, 0.37)]), record([(0, 0.3), (40, 0.36)])]}
+    config = {"train": {"num_steps": 60}, "task": {"num_eval": 2048}}
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(report([3, 4], 0.35, 2048, runs, [50]) | {"config": config}))
+    reused = reused_runs(str(earlier), config)
+    assert set(reused) == {("sync", 3), ("sync", 4), ("april", 3), ("april", 4)}
+    assert reused["april", 4]["history"] == [[0, 0.3], [40, 0.36]]
+    with pytest.raises(SystemExit, match=r"train\.num_steps: 60 there, 40 here"):
+        reused_runs(str(earlier), {"train": {"num_steps": 40}, "task": {"num_eval": 2048}})
+
+
 def test_bench_train_json_keys_on_a_tiny_run(tmp_path, random_model_dir):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "jobs.bench.train", "--config", "configs/tiny_cpu.yaml", "--seeds", "2",

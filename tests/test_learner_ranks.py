@@ -2,10 +2,9 @@
 micro-batches: ZeRO-2 and -3 communicate in every micro-batch, so the ranks must agree on how many they
 run (a rank with fewer repeats its last, weighed 0). Before they did, the collectives of the two ranks went
 out of step ("Received data size doesn't match expected size")."""
-import socket
-
 import pytest
-import torch.multiprocessing as mp
+
+from tests.ranks import run_ranks
 
 
 def _rank(rank: int, world: int, port: int, model_dir: str, stage: int, out: dict) -> None:
@@ -32,18 +31,6 @@ def _rank(rank: int, world: int, port: int, model_dir: str, stage: int, out: dic
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_ranks_with_different_micro_batch_counts_step_together(random_model_dir, stage):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        out = manager.dict()
-        procs = [ctx.Process(target=_rank, args=(r, 2, port, str(random_model_dir), stage, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(240)
-        assert [p.exitcode for p in procs] == [0, 0], "a rank failed or hung"
-        results = dict(out)
+    results = run_ranks(_rank, 2, str(random_model_dir), stage)
     assert results[0]["own"] < results[1]["own"], results  # the case under test: the cuts differ
     assert [results[r]["num_micro_batches"] for r in range(2)] == [results[r]["own"] for r in range(2)]

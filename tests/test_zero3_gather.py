@@ -1,11 +1,10 @@
 """Gathering ZeRO-3 weights with two learner ranks over gloo: every rank takes part (a gather that only rank 0
 entered would hang), rank 0 gets the full state dict for the object store, and inside `full_weights` every
 rank sees the full weights for a direct hand-over to inference servers."""
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.ranks import run_ranks
 
 
 def _rank(rank: int, world: int, port: int, model_dir: str, out: dict) -> None:
@@ -28,19 +27,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: dict) -> None:
 def test_zero3_gather_runs_on_every_rank(random_model_dir):
     from transformers import AutoModelForCausalLM
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        out = manager.dict()
-        procs = [ctx.Process(target=_rank, args=(r, 2, port, str(random_model_dir), out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(240)
-        assert [p.exitcode for p in procs] == [0, 0], "a rank failed or hung"
-        results = dict(out)
+    results = run_ranks(_rank, 2, str(random_model_dir))
     ref = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32).state_dict()
     total = sum(v.numel() for k, v in ref.items() if k != "lm_head.weight")  # tied to the embedding
     assert all(results[r]["local_numel"] < total for r in range(2)), "ZeRO-3 did not partition the weights"

@@ -1,7 +1,7 @@
 """Training benchmark: the synchronous baseline and APRIL (at one or several N'/N) over several seeds.
 
     python -m jobs.bench.train --config configs/tiny_cpu.yaml --seeds K --json PATH [--factors 1,1.5,2,3]
-        [--target ACC | --gain G] [--budgets S1,S2,...] [--first-seed S] [key=value ...]
+        [--target ACC | --gain G] [--budgets S1,S2,...] [--first-seed S] [--reuse EARLIER_JSON] [key=value ...]
 
 For each seed the modes' jobs run one after the other (round-robin by seed: sync, APRIL, APRIL at each
 factor, then the next seed), so a machine whose load drifts slows every mode alike. A seed sets
@@ -12,6 +12,11 @@ whole wall), held-out accuracy at wall-clock budgets and at each evaluated step,
 and greedy), the off-policy token ratio, staleness (mean, max, histogram) and the step's phase times.
 The target defaults to the mean accuracy before training plus `--gain`; `eval_standard_error` is one
 evaluation's sampling noise at that accuracy, sqrt(p (1 - p) / task.num_eval).
+
+`--reuse` takes the runs of an earlier result of the same command (same config and overrides) instead of
+running them again, by mode and seed: adding the factors to an earlier sync-vs-APRIL result runs only the
+new modes. The reused JSON's `config` must match this one's, or the bench stops and names the first key
+that differs.
 """
 from __future__ import annotations
 
@@ -64,6 +69,32 @@ def seeded(cfg, mode: str, seed: int, base: Path):
     return dataclasses.replace(
         cfg, engine=dataclasses.replace(cfg.engine, seed=cfg.engine.seed + seed),
         train=dataclasses.replace(cfg.train, seed=seed, resume=False, output_dir=str(base / mode / f"seed{seed}")))
+
+
+def reused_runs(path: str, config: dict) -> dict[tuple[str, int], dict]:
+    """(mode, seed) -> run record of an earlier result made with the same config."""
+    old = json.loads(Path(path).read_text())
+    mine, theirs = flatten(config), flatten(old.get("config", {}))
+    diff = next((k for k in sorted(mine.keys() | theirs.keys()) if mine.get(k) != theirs.get(k)), None)
+    if diff is not None:
+        raise SystemExit(f"--reuse {path}: made with another config ({diff}: {theirs.get(diff)!r} there, "
+                         f"{mine.get(diff)!r} here)")
+    return {(mode, seed): rec for mode, m in old.items() if isinstance(m, dict) and "runs" in m
+            for seed, rec in zip(old["seeds"], m["runs"])}
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out |= flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
+
+
+def bench_config(cfg) -> dict:
+    """What must match for runs to be comparable: the config without where each run writes."""
+    c = dataclasses.asdict(cfg)
+    c["train"] = {k: v for k, v in c["train"].items() if k not in ("output_dir", "resume")}
+    return json.loads(json.dumps(c, default=str))
 
 
 def run_record(summary: dict, eval_every: int) -> dict:
@@ -158,15 +189,21 @@ def main() -> None:
         p.add_argument("--target", type=float, default=None, help="held-out accuracy to reach")
         p.add_argument("--gain", type=float, default=0.05, help="target = mean accuracy before + gain")
         p.add_argument("--budgets", default="", help="wall-clock budgets (s); default: quarters of sync's wall")
+        p.add_argument("--reuse", default=None, help="an earlier result's JSON: its runs (by mode and seed) are not re-run")
 
     cfg, args = parse(__doc__, extra)
     init_ray(plan(cfg))
     factors = [float(f) for f in args.factors.split(",") if f]
     modes = mode_configs(cfg, factors)
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    reused = reused_runs(args.reuse, bench_config(cfg)) if args.reuse else {}
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for seed in seeds:  # round-robin: every mode's run for this seed before the next seed
         for mode, mode_cfg in modes.items():
+            if (mode, seed) in reused:
+                runs[mode].append(reused[mode, seed])
+                print(f"seed {seed} {mode}: reused from {args.reuse}", flush=True)
+                continue
             summary = train(seeded(mode_cfg, mode, seed, Path(cfg.train.output_dir)))
             runs[mode].append(run_record(summary, cfg.train.eval_every))
             print(f"seed {seed} {mode}: train {summary['train_s']:.0f} s, accuracy "
@@ -177,7 +214,7 @@ def main() -> None:
     target = args.target if args.target is not None else statistics.mean(before) + args.gain
     sync_wall = statistics.median(r["train_s"] for r in runs["sync"])
     budgets = [float(b) for b in args.budgets.split(",") if b] or [round(sync_wall * q) for q in (0.25, 0.5, 0.75, 1)]
-    result = report(seeds, target, cfg.task.num_eval, runs, budgets)
+    result = report(seeds, target, cfg.task.num_eval, runs, budgets) | {"config": bench_config(cfg)}
     write_result(args.json, result)
     print(table(result))
 
