@@ -17,7 +17,11 @@ the step boundary per aborted request (the abort parks each cache; the store). I
 the config) for the first prompts of the prompt source's order, each prompt's samples together.
 `cpu_setting` is then one simulated engine with those costs and lengths, as the bench runs one real
 engine: the bench's measured utilizations (docs/benchmarks/bench_schedule.json) are what the simulation
-must predict.
+must predict. The recording also yields the schedules' utilizations in the same process and minutes as
+the costs (each mode's effective tokens/s after the warm-up over the probe's saturated tokens/s, with the
+step recorder's `thread_time` calls as the only difference from the bench): `--calibrate` compares with
+both, because this machine's speed drifts between runs (the bench's ceiling read 8,191 tok/s in one
+session and 5,891 in another) and a separate run's figures carry that drift.
 """
 from __future__ import annotations
 
@@ -150,6 +154,7 @@ async def _record_schedules(cfg: Config, model_path: str, train, eval_prompts, s
 
     rows, modes, n = [], [], cfg.rollout.rollout_batch_size // cfg.engine.num_engines
     boundary, aborted, by_mode = 0.0, 0, {}
+    warmup = 3  # the simulation's default warm-up: APRIL's store fills in the first steps
     for factor in (None, 1.5, 3.0):
         worker = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
         recorder = StepRecorder(worker.engine.engine)
@@ -160,27 +165,35 @@ async def _record_schedules(cfg: Config, model_path: str, train, eval_prompts, s
         store = PartialRolloutStore(cfg.staleness.max_versions, cfg.staleness.policy)
         monitor = CompletionMonitor(r, LocalPool([worker], [cfg.engine.max_num_seqs]), LocalProxy(source),
                                     LocalProxy(store))
+        trained = wall = 0.0
         for step in range(steps):
             worker.update_weights(None, step)
-            await monitor.step(step, step)
+            result = await monitor.step(step, step)
             recorder.boundary()
+            if step >= warmup:
+                trained += result.metrics["rollout/trained_tokens"]
+                wall += result.metrics["rollout/wall_s"]
         boundary += recorder.boundary_s
         aborted += recorder.aborted
         by_mode["sync" if factor is None else f"april_{factor:g}"] = {
             "between_s": recorder.between_s, "steps": len(recorder.rows),
-            "requests": sum(row[5] for row in recorder.rows)}
+            "requests": sum(row[5] for row in recorder.rows), "effective_tok_s": trained / wall,
+            "measured_steps": steps - warmup}
         rows += recorder.rows
         modes += [str(factor)] * len(recorder.rows)
     prober = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
     probe = StepRecorder(prober.engine.engine)
-    await saturated_throughput(prober.engine, eval_prompts, prober.sampling, cfg.engine.max_num_seqs, 3.0)
+    tokens, seconds, _ = await saturated_throughput(prober.engine, eval_prompts, prober.sampling,
+                                                    cfg.engine.max_num_seqs, 3.0)
     modes += ["probe"] * len(probe.rows)
     by_mode["probe"] = {"between_s": probe.between_s, "steps": len(probe.rows),
-                        "requests": sum(row[5] for row in probe.rows)}
+                        "requests": sum(row[5] for row in probe.rows), "effective_tok_s": tokens / seconds}
+    for m in by_mode.values():  # the schedules' utilizations in this same process: the in-situ measurement
+        m["utilization"] = m["effective_tok_s"] / by_mode["probe"]["effective_tok_s"]
     return rows + probe.rows, modes, {"boundary_per_aborted": boundary / max(1, aborted), "by_mode": by_mode}
 
 
-def measure_cpu_engine(cfg: Config, model_path: str, train, eval_examples, steps: int = 12,
+def measure_cpu_engine(cfg: Config, model_path: str, train, eval_examples, steps: int = 24,
                        num_prompts: int = 320) -> dict:
     import torch
 
@@ -306,6 +319,7 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
     train_path, _ = dataset_paths(cfg.task, cfg.model.cache_dir)
     prompt_lens = [len(tok.encode(ex.prompt)) for ex in read_examples(train_path, cfg.task.prompt_key,
                                                                        cfg.task.answer_key)]
+    in_situ = costs["between_steps"]["by_mode"]  # the same schedules' utilizations, measured with the costs
     costs = combined_costs(costs)
     between = between_costs(costs["between_steps"])
     setting = cpu_setting(cfg, costs, prompt_lens, between["per_request"], between["per_aborted"], between["per_step"])
@@ -322,8 +336,10 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
         sim_ = study.run_schedule(setting, rollout, steps, warmup, "none", ceiling)
         alone = study.run_schedule(bare, rollout, steps, warmup, "none", bare_ceiling)
         m = measured[name]
+        here = in_situ.get(name, {}).get("utilization")
         rows.append({"mode": name, "factor": f, "measured_utilization": m["utilization"],
                      "simulated_utilization": sim_["utilization"], "error": sim_["utilization"] - m["utilization"],
+                     "in_situ_utilization": here, "in_situ_error": None if here is None else sim_["utilization"] - here,
                      "simulated_engine_alone": alone["utilization"],
                      "measured_rows": m["running_rows_mean"], "simulated_rows": sim_["running_rows_per_step"],
                      "measured_off_policy": m["off_policy_token_ratio"],
@@ -333,10 +349,11 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
                      "simulated_control_plane_cpu_s_per_step": sim_["control_plane_cpu_s_per_step"],
                      "duplicated_samples": sim_["duplicated_samples"] + alone["duplicated_samples"],
                      "samples_with_wrong_length": sim_["samples_with_wrong_length"] + alone["samples_with_wrong_length"]})
-        print(f"{name:10s} measured {m['utilization']:.3f}  simulated {sim_['utilization']:.3f} "
+        print(f"{name:10s} measured {m['utilization']:.3f} (in situ {here or float('nan'):.3f})  simulated {sim_['utilization']:.3f} "
               f"(engine alone {alone['utilization']:.3f})", flush=True)
     return {"ceiling_tok_s": {"measured": measured["saturated_tok_s"], "simulated": ceiling},
             "comparison": rows, "within_0.05": all(abs(r["error"]) <= 0.05 for r in rows),
+            "within_0.05_in_situ": all(r["in_situ_error"] is not None and abs(r["in_situ_error"]) <= 0.05 for r in rows),
             "setup": {"rollout_batch_size": n, "steps": steps, "warmup_steps": warmup, "fit": costs["fit"],
                       "between_steps": between,
                       "lengths": {k: costs["setup"][k] for k in ("response_len_mean", "response_len_p99", "prompts")}}}
