@@ -38,11 +38,18 @@ class LocalPool:
 
     def generate(self, engine, samples, step):
         task = asyncio.ensure_future(self._call(engine, [resolve(s) for s in samples], step))
+        metas = task.get_loop().create_future()  # a future, not a second task (a simulation makes millions)
 
-        async def metas():
-            return (await task)[0]
+        def done(t: asyncio.Task) -> None:
+            if t.cancelled():
+                metas.cancel()
+            elif t.exception() is not None:
+                metas.set_exception(t.exception())
+            else:
+                metas.set_result(t.result()[0])
 
-        return metas(), [LocalHandle(task, i) for i in range(len(samples))]
+        task.add_done_callback(done)
+        return metas, [LocalHandle(task, i) for i in range(len(samples))]
 
     async def _call(self, engine, samples, step):
         if engine in self.dead:

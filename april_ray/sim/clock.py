@@ -99,15 +99,15 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
     def call_soon(self, callback, *args, context=None):
         account = self._account(callback)
-        if account is None:
-            return super().call_soon(callback, *args, context=context)
-        return super().call_soon(self._timed, account, callback, *args, context=context)
+        if account is not None:
+            args, callback = (account, callback, *args), self._timed
+        return super().call_soon(callback, *args, context=context)
 
     def call_at(self, when, callback, *args, context=None):
         account = self._account(callback)
-        if account is None:
-            return super().call_at(when, callback, *args, context=context)
-        return super().call_at(when, self._timed, account, callback, *args, context=context)
+        if account is not None:
+            args, callback = (account, callback, *args), self._timed
+        return super().call_at(when, callback, *args, context=context)
 
     def _timed(self, account: str, callback, *args) -> None:
         t0 = time.process_time()
@@ -130,18 +130,19 @@ def run_virtual(main, loop: VirtualLoop | None = None):
 
 
 @contextlib.contextmanager
-def rare_collections(threshold: int = 200_000):
-    """Run the garbage collector's young pass every `threshold` allocations instead of every 700, and
-    never over what exists on entry. A simulation keeps every engine's requests and every sample in one
-    process; frequent passes over that heap land on whichever callback allocates (the monitor's, mostly)
-    and would bill the simulation's own garbage to the control plane, whose real process holds only
-    metadata. (At 256 GPUs: 1.6x less CPU in all, the monitor's measured CPU halved.)"""
-    old = gc.get_threshold()
+def no_collections():
+    """Run without the cyclic garbage collector, and collect once at the end. A simulation keeps every
+    engine's requests and every sample in one process; the collector's passes over that heap land on
+    whichever callback allocates (the monitor's, mostly), billing the simulation's own garbage to the
+    control plane, whose real process holds only metadata; reference counting frees almost everything
+    anyway (at 256 GPUs the passes were a fifth of the CPU, even at one young pass per 200,000
+    allocations; at 1,024 GPUs x 23 steps the peak memory stayed under 2 GB without them)."""
+    enabled = gc.isenabled()
     gc.collect()
-    gc.freeze()
-    gc.set_threshold(threshold, 50, 1000)
+    gc.disable()
     try:
         yield
     finally:
-        gc.set_threshold(*old)
-        gc.unfreeze()
+        if enabled:
+            gc.enable()
+        gc.collect()
