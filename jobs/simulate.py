@@ -15,7 +15,8 @@ replace the configured backend (`engine.backend` and the server's settings are n
 
 `--measure-cpu` times the real CPU engine (step cost by rows and context, response lengths of the tiny
 model); `--calibrate` runs the simulator with those costs and compares it with `jobs.bench.schedule`'s
-measured utilizations (`--measured`, default docs/benchmarks/bench_schedule.json).
+measured utilizations (`--measured`, default docs/benchmarks/bench_schedule_calibration.json) and with the
+same schedules' utilizations measured in the costs' own run.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def parse() -> tuple:
     parser.add_argument("--measure-cpu", default=None, metavar="PATH", help="measure the CPU engine, write PATH")
     parser.add_argument("--calibrate", action="store_true", help="simulate the CPU engine vs bench_schedule")
     parser.add_argument("--cpu-costs", default=str(DOCS / "simulate_cpu.json"), help="--measure-cpu's output")
-    parser.add_argument("--measured", default=str(DOCS / "bench_schedule.json"), help="bench_schedule's JSON")
+    parser.add_argument("--measured", default=str(DOCS / "bench_schedule_calibration.json"),
+                        help="bench_schedule's JSON, measured right before --cpu-costs' file")
     args = parser.parse_intermixed_args()
     sim_items = [o for o in args.overrides if o.startswith("simulate.")]
     rest = [o for o in args.overrides if not o.startswith("simulate.")]
