@@ -78,8 +78,7 @@ class SimEngine:
         self.context = 0
         """Tokens in the running rows' caches after `steps` steps."""
         self.running: dict[str, _Request] = {}
-        self.order: list[str] = []
-        """Running ids by admission, oldest first (the newest is retracted first)."""
+        """By admission, oldest first (the newest is retracted first)."""
         self.finish_heap: list[tuple[int, int, str]] = []
         self.waiting: deque[_Request] = deque()
         self.aborting: dict[str, bool] = {}
@@ -230,7 +229,6 @@ class SimEngine:
 
     def _remove(self, r: _Request) -> None:
         del self.running[r.request_id]
-        self.order.remove(r.request_id)
         generated = self.steps - r.start
         self.context -= r.input_len + generated
         self._close_run(r)
@@ -279,7 +277,6 @@ class SimEngine:
             prefill += cost
             r.start = r.mark = self.steps
             self.running[r.request_id] = r
-            self.order.append(r.request_id)
             self.context += r.input_len
             self._seq += 1
             heapq.heappush(self.finish_heap, (r.start + r.todo, self._seq, r.request_id))
@@ -305,7 +302,7 @@ class SimEngine:
         self.timer = self.loop.call_at(self._span_end(self.span), self._boundary)
 
     def _retract(self) -> None:
-        r = self.running[self.order[-1]]
+        r = self.running[next(reversed(self.running))]
         self._remove(r)
         self.waiting.appendleft(r)
         self.num_retracted += 1
