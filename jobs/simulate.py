@@ -105,6 +105,7 @@ def result_row(cfg, sim, gpus: int, engines: int, factor: float, sync: dict, apr
         "duplicated_samples": april["duplicated_samples"] + sync["duplicated_samples"],
         "samples_with_wrong_length": april["samples_with_wrong_length"] + sync["samples_with_wrong_length"],
         "sim_cpu_s": april["sim_cpu_s"] + sync["sim_cpu_s"],
+        "april_sim_cpu_s": april["sim_cpu_s"], "sync_sim_cpu_s": sync["sim_cpu_s"],
     }
 
 
