@@ -346,6 +346,8 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
                      "simulated_off_policy": sim_["off_policy_token_ratio"],
                      "measured_prefill_per_decoded": m["prefill_per_decoded"],
                      "simulated_prefill_per_decoded": sim_["prefill_per_decoded"],
+                     "measured_reused_kv_per_decoded": m.get("engine_reused_kv_tokens", 0) / max(1, m.get("engine_decoded_tokens", 0)),
+                     "simulated_reused_kv_per_decoded": sim_["reused_kv_per_decoded"],
                      "simulated_control_plane_cpu_s_per_step": sim_["control_plane_cpu_s_per_step"],
                      "duplicated_samples": sim_["duplicated_samples"] + alone["duplicated_samples"],
                      "samples_with_wrong_length": sim_["samples_with_wrong_length"] + alone["samples_with_wrong_length"]})
