@@ -46,6 +46,11 @@ def stop_if_a_rank_dies(out: Path, step: int):
         raise learner_died(out, step, e) from e
 
 
+def weights_in_object_store(learners: list):
+    """The ranks' current weights in the object store: every rank gathers (ZeRO-3), rank 0 puts them once."""
+    return ray.get([a.publish.remote() for a in learners])[0]
+
+
 class LearnerGroup:
     def __init__(self, cfg: Config, model_path: str, engines):
         layout, pg = engines.layout, engines.placement_group
@@ -74,8 +79,7 @@ class LearnerGroup:
         return {k: sum(r[k] for r in results) / world for k in results[0]}
 
     def weights_ref(self):
-        """The current weights in the object store: every rank gathers (ZeRO-3), rank 0 puts them once."""
-        return ray.get([a.publish.remote() for a in self.actors])[0]
+        return weights_in_object_store(self.actors)
 
     def publish(self, engines, version: int) -> None:
         """Every engine serves the ranks' current weights as `version` when this returns."""
@@ -107,7 +111,7 @@ class ObjectStoreSync:
         pass
 
     def publish(self, version: int) -> None:
-        self.engines.publish(ray.get([a.publish.remote() for a in self.learners])[0], version)
+        self.engines.publish(weights_in_object_store(self.learners), version)
 
 
 class BroadcastSync(ObjectStoreSync):

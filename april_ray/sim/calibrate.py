@@ -33,6 +33,7 @@ import numpy as np
 
 from april_ray.config import Config
 from april_ray.sim.cluster import Setting
+from april_ray.sim.config import SimulateConfig
 from april_ray.sim.hardware import StepCost
 from april_ray.sim.workload import LengthModel, Workload
 
@@ -154,7 +155,7 @@ async def _record_schedules(cfg: Config, model_path: str, train, eval_prompts, s
 
     rows, modes, n = [], [], cfg.rollout.rollout_batch_size // cfg.engine.num_engines
     boundary, aborted, by_mode = 0.0, 0, {}
-    warmup = 3  # the simulation's default warm-up: APRIL's store fills in the first steps
+    warmup = SimulateConfig.warmup_steps  # the simulation's default: APRIL's store fills in the first steps
     for factor in (None, 1.5, 3.0):
         worker = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
         recorder = StepRecorder(worker.engine.engine)

@@ -12,7 +12,7 @@ import dataclasses
 import time
 
 from april_ray.config import Config, ConfigError
-from april_ray.sim.clock import VirtualLoop, no_collections, run_virtual
+from april_ray.sim.clock import VirtualLoop, run_virtual
 from april_ray.sim.cluster import CONTROL_PLANE, OTHER, Schedule, Setting, saturated
 from april_ray.sim.config import SimulateConfig
 from april_ray.sim.hardware import ACCELERATORS, gpu_step_cost, kv_capacity_tokens, model_spec
@@ -86,8 +86,7 @@ def run_schedule(setting: Setting, rollout, steps: int, warmup: int, clock: str,
                                          "rollout_batch_size": rollout.rollout_batch_size,
                                          "over_sampling_batch_size": rollout.over_sampling_batch_size}
 
-    with no_collections():
-        return run_virtual(main)
+    return run_virtual(main)
 
 
 def ceiling_of(setting: Setting, n_samples: int) -> float:
@@ -96,8 +95,7 @@ def ceiling_of(setting: Setting, n_samples: int) -> float:
     async def main(loop: VirtualLoop) -> float:
         return await saturated(dataclasses.replace(setting, num_engines=1), loop, n_samples)
 
-    with no_collections():
-        return run_virtual(main)
+    return run_virtual(main)
 
 
 def learner_s(cfg: Config, sim: SimulateConfig, gpus: int, tokens: float) -> float:
