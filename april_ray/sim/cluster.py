@@ -31,15 +31,22 @@ CONTROL_PLANE, ENGINE, OTHER = "control_plane", "engine", "other"
 class InlineReward:
     """The workload's stand-in reward, called in place of the worker's `RewardRunner`: rewards are not
     simulated, and the runner's thread per finished sample (which keeps slow reward functions off an
-    engine's event loop) would cost the simulation more than the sample itself."""
+    engine's event loop) would cost the simulation more than the sample itself. It returns a future that
+    is already done: one per distinct value, shared (a done future only hands out its result)."""
 
     errors = 0
 
     def __init__(self, fn):
         self.fn = fn
+        self.done: dict[float, asyncio.Future] = {}
 
-    async def __call__(self, prompt: str, response: str, answer: str) -> float:
-        return self.fn(prompt, response, answer)
+    def __call__(self, prompt: str, response: str, answer: str) -> asyncio.Future:
+        value = self.fn(prompt, response, answer)
+        fut = self.done.get(value)
+        if fut is None:
+            fut = self.done[value] = asyncio.get_running_loop().create_future()
+            fut.set_result(value)
+        return fut
 
     def drain_errors(self) -> int:
         return 0

@@ -24,30 +24,27 @@ from __future__ import annotations
 import asyncio
 import heapq
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from april_ray.sim.hardware import StepCost
 from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
 
 
-@dataclass
 class _Request:
-    request_id: str
-    key: str
-    """The sample's id: the key of its parked cache."""
-    fut: asyncio.Future
-    input_len: int
-    todo: int
-    """Tokens to generate before it finishes (unless aborted)."""
-    reason: FinishReason
-    token: int
-    start: int = 0
-    """Engine step at which it joined the running batch."""
-    mark: int = 0
-    """Engine step since which its tokens carry the current version."""
-    runs: list[tuple[int, int]] = field(default_factory=list)
-    """(version, tokens) of the tokens generated so far, older runs first."""
-    kv_version: int = 0
+    """One request in the engine. `key`: its sample's id (the key of its parked cache); `todo`: tokens to
+    generate before it finishes (unless aborted); `start`: the engine step at which it joined the running
+    batch; `mark`: the step since which its tokens carry the current version; `runs`: (version, tokens) of
+    the tokens generated so far, older runs first. A plain class with slots: a simulation makes millions."""
+
+    __slots__ = ("request_id", "key", "fut", "input_len", "todo", "reason", "token", "start", "mark", "runs",
+                 "kv_version")
+
+    def __init__(self, request_id: str, key: str, fut: asyncio.Future, input_len: int, todo: int,
+                 reason: FinishReason, token: int):
+        self.request_id, self.key, self.fut = request_id, key, fut
+        self.input_len, self.todo, self.reason, self.token = input_len, todo, reason, token
+        self.start = self.mark = self.kv_version = 0
+        self.runs: list[tuple[int, int]] = []
 
 
 @dataclass
@@ -95,7 +92,7 @@ class SimEngine:
         self._seq = 0
 
     # -- the Engine protocol ----------------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+    def generate(self, request: GenerateRequest) -> "asyncio.Future[GenerateOutput]":
         left, token = self.target(request)
         budget = request.sampling.max_new_tokens
         if budget <= 0 or not request.input_ids:
@@ -110,7 +107,7 @@ class SimEngine:
         self.waiting.append(_Request(request.request_id, key, fut, len(request.input_ids), min(todo, budget),
                                      reason, token))
         self._poke()
-        return await fut
+        return fut
 
     def abort(self, request_id: str, park: bool = True) -> bool:
         for r in self.waiting:
@@ -246,12 +243,17 @@ class SimEngine:
             self.parked.popitem(last=False)
 
     def _resolve(self, r: _Request, reason: FinishReason) -> None:
-        versions: list[int] = []
-        for v, c in r.runs:
-            versions += [v] * c
-        n = len(versions)
-        if not r.fut.done():
-            r.fut.set_result(GenerateOutput(r.request_id, [r.token] * n, [-1.0] * n, versions, reason))
+        if r.fut.done():
+            return
+        if len(r.runs) == 1:
+            v, n = r.runs[0]
+            versions = [v] * n
+        else:
+            versions = []
+            for v, c in r.runs:
+                versions += [v] * c
+            n = len(versions)
+        r.fut.set_result(GenerateOutput(r.request_id, [r.token] * n, [-1.0] * n, versions, reason))
 
     def _admit(self) -> None:
         prefill, inputs, admitted, restored = 0, [], 0, 0

@@ -132,11 +132,15 @@ class Workload:
 
     def target(self, request: GenerateRequest) -> tuple[int, int]:
         """(blocks the request has left before its sample's drawn end, uncapped; the token id they carry)."""
-        key = request.request_id.rpartition("@")[0] or request.request_id
         row = request.input_ids[0]
-        done = len(request.input_ids) - self.blocks(self.prompt_lens[row])
+        total, token, prompt = self._drawn(row, request.request_id.rpartition("@")[0] or request.request_id)
+        return total - (len(request.input_ids) - prompt), token
+
+    @functools.lru_cache(maxsize=1 << 18)  # looked up at every call that carries the sample
+    def _drawn(self, row: int, key: str) -> tuple[int, int, int]:
+        """(the sample's drawn length in blocks, the token id its blocks carry, its prompt's blocks)."""
         rewarded = sample_index(key) == 0 and not self.filtered(row)
-        return self.blocks(self.lengths(row, key)) - done, int(rewarded)
+        return self.blocks(self.lengths(row, key)), int(rewarded), self.blocks(self.prompt_lens[row])
 
     @functools.lru_cache(maxsize=1 << 16)
     def filtered(self, row: int) -> bool:
