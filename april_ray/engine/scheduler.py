@@ -115,6 +115,8 @@ class ParkedEntry:
     slot: int
     version: int
     """Oldest weights version that computed this cache."""
+    count: int = 1
+    """Parked sequences with exactly these tokens: one cache serves them all, one `take` each."""
 
 
 class ParkedKV:
@@ -123,9 +125,11 @@ class ParkedKV:
     APRIL resumes an interrupted sample by sending prompt + its tokens again; without this the engine
     recomputes that whole prefix. Entries are keyed by the exact token ids (the resumed request's input
     is the aborted sequence's tokens, so a hit is an exact match) and cache every position but the last
-    (which the next decode step feeds). They are evicted oldest first when the spare slots run out, and
-    reusable while the weights are at most `max_staleness` versions newer than the ones that computed
-    them (0: only the very same weights, an exact prefix cache).
+    (which the next decode step feeds). Several aborted sequences may carry the same ids (samples of one
+    prompt often begin alike): they share one entry and one slot, counted, each resume takes it once, and
+    the slot is freed after the last. Entries are evicted oldest parked first when the spare slots run
+    out, and reusable while the weights are at most `max_staleness` versions newer than the ones that
+    computed them (0: only the very same weights, an exact prefix cache).
     """
 
     def __init__(self, first_slot: int, num_slots: int, max_staleness: int):
@@ -134,14 +138,22 @@ class ParkedKV:
         self.entries: OrderedDict[tuple[int, ...], ParkedEntry] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self.entries)
+        """Parked sequences (those sharing one cache counted each)."""
+        return sum(e.count for e in self.entries.values())
 
     def park(self, tokens: list[int], version: int) -> int | None:
-        """Reserve a slot for this cache (evicting the oldest entry if needed); None if there are no
-        spare slots at all."""
+        """The slot to copy this sequence's cache into (evicting the oldest entry if needed); None when
+        there is nothing to copy: no spare slots at all, or a cache of these tokens by weights as new or
+        newer is parked already (it serves this sequence too)."""
         key = tuple(tokens)
-        if key in self.entries:
-            self.free.append(self.entries.pop(key).slot)
+        entry = self.entries.get(key)
+        if entry is not None:
+            entry.count += 1
+            self.entries.move_to_end(key)
+            if version <= entry.version:
+                return None
+            entry.version = version  # the fresher cache is copied over the parked one
+            return entry.slot
         if not self.free and self.entries:
             self.free.append(self.entries.popitem(last=False)[1].slot)
         if not self.free:
@@ -157,11 +169,14 @@ class ParkedKV:
         return entry if entry is not None and version - entry.version <= self.max_staleness else None
 
     def take(self, tokens: list[int], version: int) -> ParkedEntry | None:
-        """The entry for this exact input, removed (its slot is free once the caller has copied it)."""
+        """The entry for this exact input, taken once: removed with its last sequence (its slot is free
+        once the caller has copied it)."""
         entry = self.usable(tokens, version)
         if entry is not None:
-            del self.entries[tuple(tokens)]
-            self.free.append(entry.slot)
+            entry.count -= 1
+            if not entry.count:
+                del self.entries[tuple(tokens)]
+                self.free.append(entry.slot)
         return entry
 
     def clear(self) -> None:
