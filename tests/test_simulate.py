@@ -171,7 +171,25 @@ def test_running_rows_capped_and_parked_cache_skips_the_prefill():
 
     outs, again, prefilled, reused = run_virtual(main)
     assert [o.num_tokens for o in outs] == [6, 6, 0]
-    assert again.num_tokens == 34 and prefilled == 0 and reused == 7
+    assert again.num_tokens == 34 and prefilled == 0 and reused == 7 - 1  # the last input token is decoded
+
+
+def test_parked_caches_past_the_staleness_bound_free_their_slots():
+    async def main(loop):
+        e = SimEngine(FLAT, Lengths(40), max_num_seqs=2, kv_capacity=10_000, max_prefill_tokens=1000,
+                      park_slots=4, stale_kv_versions=1)
+        task = asyncio.ensure_future(e.generate(request("s0@0")))
+        await asyncio.sleep(0.055)
+        e.abort_all()
+        await task
+        counts = [len(e.parked)]
+        for version in (1, 2):
+            e.update_weights(None, version)
+            await asyncio.sleep(0.01)
+            counts.append(len(e.parked))
+        return counts
+
+    assert run_virtual(main) == [1, 1, 0]
 
 
 # -- the real rollout on simulated engines --------------------------------------------------------------

@@ -9,8 +9,9 @@ The real `EngineWorker` wraps it unchanged. What it keeps of a real engine:
   one input always), one token per running row per step, every token stamped with the weights' version;
 - abort: the step in progress completes, then the request returns its tokens so far (finish reason
   ABORT); a resumed request (prompt + earlier tokens, the remaining budget) continues from there. With
-  `park_slots`, an aborted row's cache is kept (oldest evicted first) and a resume with exactly those
-  tokens skips its prefill while the cache is at most `stale_kv_versions` versions old (the CPU engine).
+  `park_slots`, an aborted row's cache is kept (oldest evicted first; dropped once more than
+  `stale_kv_versions` versions old) and a resume with exactly those tokens skips its prefill (the CPU
+  engine: every position but the last is restored, the decode pass feeds that one).
 
 Time: rows, context and the step cost stay the same between events (an admission, a finish, an abort,
 a full cache), so the engine plans a whole span of steps at once and sets one timer for its end; an
@@ -135,9 +136,16 @@ class SimEngine:
         """Weights are not simulated; tokens from the next step boundary carry `version`."""
         self.next_version = version
         if self.span is None and self.timer is None:
-            self.version = version
+            self._set_version(version)
         else:
             self._poke()
+
+    def _set_version(self, version: int) -> None:
+        """Adopt the weights of `version`; parked caches now too stale to reuse free their slots (as the
+        CPU engine's `ParkedKV.expire`)."""
+        self.version = version
+        for key in [k for k, v in self.parked.items() if version - v > self.stale_kv_versions]:
+            del self.parked[key]
 
     def set_kv_reuse(self, enabled: bool) -> None:
         self.park_slots = self.park_slots if enabled else 0
@@ -189,7 +197,7 @@ class SimEngine:
         if self.next_version != self.version:
             for r in self.running.values():
                 self._close_run(r)
-            self.version = self.next_version
+            self._set_version(self.next_version)
         self._admit()
         self._plan(continuing=s is not None)
 
@@ -270,8 +278,8 @@ class SimEngine:
             admitted += 1
             if reuse:
                 del self.parked[(r.key, r.input_len)]
-                self.num_reused += r.input_len
-                restored += r.input_len * self.block
+                self.num_reused += r.input_len - 1 / self.block  # the last input token is fed by the decode
+                restored += r.input_len * self.block - 1
                 r.kv_version = hit
             else:
                 inputs.append((0, r.input_len * self.block))
