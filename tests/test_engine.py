@@ -433,10 +433,10 @@ def test_throughput_probe_counts_its_window_and_leaves_nothing_behind(policy):
     worker = EngineWorker(AsyncEngine(core), tok.decode, lambda *a: 0.0, SamplingParams(max_new_tokens=200))
     prompts = [tok.encode(p) for p in PROMPTS]
     before = core.stats().num_generated_tokens
-    tokens, seconds = asyncio.run(worker.throughput_probe(prompts, 4, 0.3, warmup_s=0.1))
+    tokens, seconds, cpu = asyncio.run(worker.throughput_probe(prompts, 4, 0.3, warmup_s=0.1))
     stats = core.stats()
     assert 0 < tokens < stats.num_generated_tokens - before  # warm-up tokens and the aborted ones' last are not counted
-    assert 0.3 <= seconds < 1.0
+    assert 0.3 <= seconds < 1.0 and 0 < cpu < 2 * seconds
     assert not core.has_work() and stats.num_parked == 1
 
 

@@ -16,8 +16,10 @@ from april_ray.types import GenerateRequest, SamplingParams
 
 
 async def saturated_throughput(engine, prompts: list[list[int]], sampling: SamplingParams, concurrency: int,
-                               seconds: float, warmup_s: float = 1.0) -> tuple[int, float, float]:
-    """(tokens, seconds, mean running rows per step) on an async `Engine`."""
+                               seconds: float, warmup_s: float = 1.0) -> tuple[int, float, float, float]:
+    """(tokens, seconds, mean running rows per step, this process's CPU seconds meanwhile) on an async
+    `Engine`. The CPU is the whole process's (`time.process_time`): for an engine served in this process it
+    is the engine's own time, without what other processes took of the core."""
     counter = itertools.count()
     running: set[str] = set()
     stop = False
@@ -33,13 +35,13 @@ async def saturated_throughput(engine, prompts: list[list[int]], sampling: Sampl
     lanes = [asyncio.ensure_future(lane()) for _ in range(concurrency)]
     await asyncio.sleep(warmup_s)
     st0 = engine.stats(drain=False)
-    n0, k0, t0 = st0.num_generated_tokens, len(st0.occupancy), time.perf_counter()
+    n0, k0, t0, c0 = st0.num_generated_tokens, len(st0.occupancy), time.perf_counter(), time.process_time()
     await asyncio.sleep(seconds)
     st = engine.stats(drain=False)
-    tokens, dt = st.num_generated_tokens - n0, time.perf_counter() - t0
+    tokens, dt, cpu = st.num_generated_tokens - n0, time.perf_counter() - t0, time.process_time() - c0
     stop = True
     for rid in list(running):
         engine.abort(rid, park=False)
     await asyncio.gather(*lanes)
     rows = [n for _, n in st.occupancy[k0:]]
-    return tokens, dt, sum(rows) / max(1, len(rows))
+    return tokens, dt, sum(rows) / max(1, len(rows)), cpu

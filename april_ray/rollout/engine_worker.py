@@ -121,10 +121,12 @@ class EngineWorker:
             group.done.set_result(None)
 
     async def throughput_probe(self, prompts: list[list[int]], concurrency: int, seconds: float,
-                               warmup_s: float = 1.0) -> tuple[int, float]:
-        """Saturated throughput on this workload, inside the engine's process (`engine.probe`)."""
-        tokens, dt, _ = await saturated_throughput(self.engine, prompts, self.sampling, concurrency, seconds, warmup_s)
-        return tokens, dt
+                               warmup_s: float = 1.0) -> tuple[int, float, float]:
+        """Saturated throughput on this workload, inside the engine's process (`engine.probe`): (tokens,
+        seconds, the process's CPU seconds meanwhile)."""
+        tokens, dt, _, cpu = await saturated_throughput(self.engine, prompts, self.sampling, concurrency, seconds,
+                                                        warmup_s)
+        return tokens, dt, cpu
 
     async def evaluate(self, items: list[tuple[str, list[int], str]], temperature: float, tag: str) -> list[float]:
         """Reward of one response per (prompt, prompt_ids, answer) at `temperature` (0: greedy)."""

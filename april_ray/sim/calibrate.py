@@ -166,31 +166,35 @@ async def _record_schedules(cfg: Config, model_path: str, train, eval_prompts, s
         store = PartialRolloutStore(cfg.staleness.max_versions, cfg.staleness.policy)
         monitor = CompletionMonitor(r, LocalPool([worker], [cfg.engine.max_num_seqs]), LocalProxy(source),
                                     LocalProxy(store))
-        trained = wall = 0.0
+        trained = wall = cpu = 0.0
         for step in range(steps):
             worker.update_weights(None, step)
+            c0 = time.process_time()
             result = await monitor.step(step, step)
             recorder.boundary()
             if step >= warmup:
                 trained += result.metrics["rollout/trained_tokens"]
                 wall += result.metrics["rollout/wall_s"]
+                cpu += time.process_time() - c0
         boundary += recorder.boundary_s
         aborted += recorder.aborted
         by_mode["sync" if factor is None else f"april_{factor:g}"] = {
             "between_s": recorder.between_s, "steps": len(recorder.rows),
             "requests": sum(row[5] for row in recorder.rows), "effective_tok_s": trained / wall,
-            "measured_steps": steps - warmup}
+            "cpu_effective_tok_s": trained / cpu, "measured_steps": steps - warmup}
         rows += recorder.rows
         modes += [str(factor)] * len(recorder.rows)
     prober = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
     probe = StepRecorder(prober.engine.engine)
-    tokens, seconds, _ = await saturated_throughput(prober.engine, eval_prompts, prober.sampling,
-                                                    cfg.engine.max_num_seqs, 3.0)
+    tokens, seconds, _, cpu = await saturated_throughput(prober.engine, eval_prompts, prober.sampling,
+                                                         cfg.engine.max_num_seqs, 3.0)
     modes += ["probe"] * len(probe.rows)
     by_mode["probe"] = {"between_s": probe.between_s, "steps": len(probe.rows),
-                        "requests": sum(row[5] for row in probe.rows), "effective_tok_s": tokens / seconds}
+                        "requests": sum(row[5] for row in probe.rows), "effective_tok_s": tokens / seconds,
+                        "cpu_effective_tok_s": tokens / cpu}
     for m in by_mode.values():  # the schedules' utilizations in this same process: the in-situ measurement
         m["utilization"] = m["effective_tok_s"] / by_mode["probe"]["effective_tok_s"]
+        m["cpu_utilization"] = m["cpu_effective_tok_s"] / by_mode["probe"]["cpu_effective_tok_s"]
     return rows + probe.rows, modes, {"boundary_per_aborted": boundary / max(1, aborted), "by_mode": by_mode}
 
 
@@ -338,9 +342,13 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
         alone = study.run_schedule(bare, rollout, steps, warmup, "none", bare_ceiling)
         m = measured[name]
         here = in_situ.get(name, {}).get("utilization")
+        cpu, cpu_here = m.get("cpu_utilization"), in_situ.get(name, {}).get("cpu_utilization")
         rows.append({"mode": name, "factor": f, "measured_utilization": m["utilization"],
                      "simulated_utilization": sim_["utilization"], "error": sim_["utilization"] - m["utilization"],
+                     "measured_cpu_utilization": cpu, "cpu_error": None if cpu is None else sim_["utilization"] - cpu,
                      "in_situ_utilization": here, "in_situ_error": None if here is None else sim_["utilization"] - here,
+                     "in_situ_cpu_utilization": cpu_here,
+                     "in_situ_cpu_error": None if cpu_here is None else sim_["utilization"] - cpu_here,
                      "simulated_engine_alone": alone["utilization"],
                      "measured_rows": m["running_rows_mean"], "simulated_rows": sim_["running_rows_per_step"],
                      "measured_off_policy": m["off_policy_token_ratio"],
@@ -352,10 +360,12 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
                      "simulated_control_plane_cpu_s_per_step": sim_["control_plane_cpu_s_per_step"],
                      "duplicated_samples": sim_["duplicated_samples"] + alone["duplicated_samples"],
                      "samples_with_wrong_length": sim_["samples_with_wrong_length"] + alone["samples_with_wrong_length"]})
-        print(f"{name:10s} measured {m['utilization']:.3f} (in situ {here or float('nan'):.3f})  simulated {sim_['utilization']:.3f} "
+        print(f"{name:10s} measured {m['utilization']:.3f}, CPU {cpu or float('nan'):.3f} (in situ {here or float('nan'):.3f}, "
+              f"CPU {cpu_here or float('nan'):.3f})  simulated {sim_['utilization']:.3f} "
               f"(engine alone {alone['utilization']:.3f})", flush=True)
     return {"ceiling_tok_s": {"measured": measured["saturated_tok_s"], "simulated": ceiling},
             "comparison": rows, "within_0.05": all(abs(r["error"]) <= 0.05 for r in rows),
+            "within_0.05_cpu": all(r["cpu_error"] is not None and abs(r["cpu_error"]) <= 0.05 for r in rows),
             "within_0.05_in_situ": all(r["in_situ_error"] is not None and abs(r["in_situ_error"]) <= 0.05 for r in rows),
             "setup": {"rollout_batch_size": n, "steps": steps, "warmup_steps": warmup, "fit": costs["fit"],
                       "between_steps": between,

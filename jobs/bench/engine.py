@@ -43,7 +43,7 @@ def task_mix_tok_s(model, prompts: list[list[int]], sampling: SamplingParams, co
     """(tokens/s, mean running rows per step) over `seconds` after `warmup_s`: the engine actor's ceiling
     probe (`april_ray/engine/probe.py`), on an engine of its own."""
     engine = AsyncEngine(LLMEngine(model, max_num_seqs=concurrency, max_model_len=max_model_len))
-    tokens, dt, rows = asyncio.run(saturated_throughput(engine, prompts, sampling, concurrency, seconds, warmup_s))
+    tokens, dt, rows, _ = asyncio.run(saturated_throughput(engine, prompts, sampling, concurrency, seconds, warmup_s))
     return tokens / dt, rows
 
 

@@ -43,7 +43,7 @@ def saturated_tok_s(engines: EngineGroup, prompts: list[list[int]], seconds: flo
     results = ray.get([e.throughput_probe.remote(prompts, cap, seconds)
                        for e, cap in zip(engines.actors, engines.capacities)])
     after = engines.stats(drain=True)
-    return sum(t for t, _ in results) / max(s for _, s in results), on_core(before, after)
+    return sum(t for t, _, _ in results) / max(s for _, s, _ in results), on_core(before, after)
 
 
 def on_core(before, after) -> float:

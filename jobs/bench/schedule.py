@@ -15,6 +15,12 @@ the modes run interleaved step by step, one at a time, so the machine's drift fa
 each round the weights are published again under the next policy version. The ceiling is bench_rollout's
 probe (`EngineWorker.throughput_probe`: every slot busy with the task's prompts, each finished request
 replaced at once) on an engine of its own, before, every `--probe-every` rounds, and after.
+
+Each utilization is given twice: in wall-clock time (`utilization`: effective tokens/s over the probe's
+tokens/s) and in CPU time (`cpu_utilization`: the same with this process's CPU seconds in place of
+seconds). Everything here runs on one thread, so on a quiet core the two agree; on a shared machine the
+wall clock also counts the time other processes held the core, which falls unevenly on the modes and the
+probes, and only the CPU figure compares with the simulator's costs (fitted on CPU time).
 """
 from __future__ import annotations
 
@@ -61,23 +67,28 @@ class LocalMode:
         self.rollout = CompletionMonitor(r, LocalPool([self.worker], [cfg.engine.max_num_seqs]),
                                          LocalProxy(self.source), LocalProxy(self.store))
         self.log = StepLog(r.n_samples_per_prompt)
+        self.cpu_s = 0.0
+        """The process's CPU over the measured steps: everything (engine, worker, monitor) is on this thread."""
 
     async def step(self, step: int, measured: bool) -> None:
         before = self.worker.stats(drain=True)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = await self.rollout.step(step, step)
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         after = self.worker.stats(drain=True)
         if measured:
             self.log.add(dt, result, len(self.store), [before], [after])
+            self.cpu_s += dc
 
-    def result(self, ceiling: float) -> dict:
+    def result(self, ceiling: float, cpu_ceiling: float) -> dict:
         r = self.rollout
         unaccounted = self.source.num_groups_taken - r.num_returned_groups - r.num_dropped_groups - len(self.store)
         res = self.log.summary(1, unaccounted)
+        cpu_tok_s = res["trained_tokens"] / self.cpu_s
         return {"rollout_batch_size": self.cfg.rollout.rollout_batch_size,
                 "over_sampling_batch_size": self.cfg.rollout.over_sampling_batch_size,
-                **res, "utilization": res["effective_tok_s"] / ceiling}
+                **res, "utilization": res["effective_tok_s"] / ceiling,
+                "cpu_s": self.cpu_s, "cpu_effective_tok_s": cpu_tok_s, "cpu_utilization": cpu_tok_s / cpu_ceiling}
 
 
 async def run(cfg: Config, args, job: JobInputs) -> dict:
@@ -96,11 +107,13 @@ async def run(cfg: Config, args, job: JobInputs) -> dict:
                                                             over_sampling_batch_size=n_prime),
                                model_path, train, tok.encode))
     prober = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
-    ceilings = []
+    ceilings, cpu_ceilings = [], []
 
     async def probe() -> None:
-        tokens, seconds = await prober.throughput_probe(probe_prompts, cfg.engine.max_num_seqs, args.probe_seconds)
+        tokens, seconds, cpu = await prober.throughput_probe(probe_prompts, cfg.engine.max_num_seqs,
+                                                             args.probe_seconds)
         ceilings.append(tokens / seconds)
+        cpu_ceilings.append(tokens / cpu)
 
     await probe()
     for step in range(args.warmup_steps + args.steps):
@@ -111,12 +124,13 @@ async def run(cfg: Config, args, job: JobInputs) -> dict:
         if 0 < done < args.steps and done % args.probe_every == 0:
             await probe()
     await probe()
-    ceiling = float(np.mean(ceilings))
-    results = {m.name: public(m.result(ceiling)) for m in modes}
+    ceiling, cpu_ceiling = float(np.mean(ceilings)), float(np.mean(cpu_ceilings))
+    results = {m.name: public(m.result(ceiling, cpu_ceiling)) for m in modes}
     sync = results["sync"]["effective_tok_s"]
     for name, res in results.items():
         res["speedup"] = res["effective_tok_s"] / sync
-    return {"saturated_tok_s": ceiling, "saturated_runs": ceilings, **results,
+    return {"saturated_tok_s": ceiling, "saturated_runs": ceilings, "saturated_cpu_tok_s": cpu_ceiling,
+            "saturated_cpu_runs": cpu_ceilings, **results,
             "config": {"rollout_batch_size": n, "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
                        "max_num_seqs": cfg.engine.max_num_seqs, "max_response_len": cfg.sampling.max_response_len,
                        "park_slots": cfg.engine.park_slots, "reuse_stale_kv": cfg.engine.reuse_stale_kv,
