@@ -16,7 +16,8 @@ replace the configured backend (`engine.backend` and the server's settings are n
 `--measure-cpu` times the real CPU engine (step cost by rows and context, response lengths of the tiny
 model); `--calibrate` runs the simulator with those costs and compares it with `jobs.bench.schedule`'s
 measured utilizations (`--measured`, default docs/benchmarks/bench_schedule_calibration.json) and with the
-same schedules' utilizations measured in the costs' own run.
+same schedules' utilizations measured in the costs' own run, each in wall-clock and in CPU time (the costs
+are CPU time; on a shared machine the wall clock also counts what other processes took of the core).
 """
 from __future__ import annotations
 
