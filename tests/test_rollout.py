@@ -388,3 +388,14 @@ def test_trained_staleness_max_and_the_mask_per_policy_by_hand():
     _, keep, m = off_policy_weights(logp, logp, versions, 8, mask, 2.0, 2)  # trained at version 8, bound 2
     assert keep.tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 0, 0]]  # ages 3 3 1 0 | 6 5 2
     assert m["off_policy/masked_token_ratio"] == pytest.approx(4 / 7)
+
+
+def test_first_prompts_are_the_prompts_a_source_hands_out_first():
+    from april_ray.rollout.prompt_source import PromptSource, first_prompts
+    from april_ray.task.data import Example
+
+    examples = [Example(i, str(i), "") for i in range(50)]
+    encode = lambda text: [int(text), 0]  # noqa: E731
+    groups = PromptSource(examples, encode, 4, 16, seed=7).take(12)
+    assert first_prompts(examples, encode, 7, 12) == [g.samples[0].prompt_ids for g in groups]
+    assert first_prompts(examples, encode, 7, 12) != first_prompts(examples, encode, 8, 12)

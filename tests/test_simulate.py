@@ -282,3 +282,23 @@ def test_jobs_simulate_writes_the_promised_keys(tmp_path):
         assert row["lost_groups"] == row["duplicated_samples"] == row["samples_with_wrong_length"] == 0
         assert math.isfinite(row["step_s"]) and row["step_s"] > 0
     assert result["assumptions"]["accelerator"]["bandwidth"] == 3.35e12
+
+
+@pytest.mark.slow
+def test_calibrate_compares_the_simulation_with_both_measurements(tmp_path, random_model_dir):
+    """`--calibrate` on the committed measurements: every mode compared in wall-clock and CPU time, the
+    simulated schedules lose nothing (the tokenizer is a random model's, so only the keys are checked)."""
+    out = tmp_path / "cal.json"
+    cmd = [sys.executable, "-m", "jobs.simulate", "--config", "configs/tiny_cpu.yaml", "--calibrate", "--json",
+           str(out), f"model.path={random_model_dir}", f"model.cache_dir={tmp_path}", "task.num_train=2000"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["mode"] for r in result["comparison"]] == ["sync", "april_1.5", "april_3"]
+    for r in result["comparison"]:
+        assert 0 < r["simulated_utilization"] <= 1.05 and r["error"] == pytest.approx(
+            r["simulated_utilization"] - r["measured_utilization"])
+        assert r["in_situ_utilization"] is not None and r["duplicated_samples"] == r["samples_with_wrong_length"] == 0
+        if r["measured_cpu_utilization"] is not None:
+            assert r["cpu_error"] == pytest.approx(r["simulated_utilization"] - r["measured_cpu_utilization"])
+    assert {"within_0.05", "within_0.05_cpu", "within_0.05_in_situ"} <= result.keys()

@@ -75,3 +75,9 @@ class PromptSource:
         self.epoch, self.position = values["epoch"], values["position"]
         self.num_groups_taken = values["num_groups_taken"]
         self._order = self._shuffle(self.epoch)
+
+
+def first_prompts(examples: list[Example], encode, seed: int, k: int) -> list[list[int]]:
+    """The prompt ids of the first `k` prompts a source with this seed hands out: a benchmark's ceiling
+    probe runs on the prompts its schedules run on (their response lengths, hence contexts, are the same)."""
+    return [g.samples[0].prompt_ids for g in PromptSource(examples, encode, 1, 1, seed).take(k)]

@@ -4,15 +4,15 @@
 thread) while it serves the real schedules in process (the synchronous baseline and APRIL at N'/N = 1.5
 and 3, as `jobs/bench/schedule.py` wires them) and a saturated probe: the step's running rows, the context
 its decoding rows hold, the tokens it prefilled, and its CPU time (the thread's: a shared machine's load
-would swamp wall-clock times). It fits
+would swamp wall-clock times; and the process's other threads do not belong to the step). It fits
 
     step = a + b * rows + c * context + prefill_per_token * prefilled + prefill_per_step * (any prefill)
 
 so the fit sees the batches these schedules really make (mixed lengths, resumed inputs, prompts joining a
 busy batch). Two more features help the fit but have no counterpart in the simulated engine, which has no
 row layout: a step that regroups its rows (left out of the simulation) and the context the decode attends
-over padded to span classes (counted as the context itself). It also measures, in the schedules, the thread's CPU between engine steps
-per request (front end, engine worker, monitor: in the bench they share the engine's one thread) and at
+over padded to span classes (counted as the context itself). It also measures, in the schedules, the process's CPU outside engine steps
+per request (front end, engine worker, monitor, reward threads: in the bench they share the engine's one core) and at
 the step boundary per aborted request (the abort parks each cache; the store). It also records the response lengths the model really produces (temperature and budget of
 the config) for the first prompts of the prompt source's order, each prompt's samples together.
 `cpu_setting` is then one simulated engine with those costs and lengths, as the bench runs one real
@@ -84,6 +84,13 @@ class StepRecorder:
         self.last = None
 
 
+def outside_steps(recorder: StepRecorder, process_cpu_s: float) -> float:
+    """The process's CPU outside the engine's steps: the engine thread's between them, and every other
+    thread's (the reward runner's, one per finished sample). On the bench's one core all of it holds the
+    engine up; the engine thread's own `between_s` misses the reward threads."""
+    return process_cpu_s - sum(row[-1] for row in recorder.rows)
+
+
 GRID_ROWS = (1, 4, 16, 32, 64)
 GRID_CONTEXTS = (8, 96, 192, 320, 480)
 
@@ -145,70 +152,98 @@ def fit_costs(rows: list[tuple]) -> dict:
         "steps": len(rows), "rel_error_median": float(np.median(rel)), "rel_error_p90": float(np.percentile(rel, 90))}
 
 
-async def _record_schedules(cfg: Config, model_path: str, train, eval_prompts, steps: int) -> tuple[list, dict]:
-    from april_ray.engine.probe import saturated_throughput
-    from april_ray.rollout.engine_worker import build_worker
-    from april_ray.rollout.local import LocalPool, LocalProxy
-    from april_ray.rollout.monitor import CompletionMonitor
-    from april_ray.rollout.prompt_source import PromptSource
-    from april_ray.rollout.store import PartialRolloutStore
+class _RecordedMode:
+    """One schedule of the recording, with its own engine, step recorder, source, store and monitor."""
 
-    rows, modes, n = [], [], cfg.rollout.rollout_batch_size // cfg.engine.num_engines
-    boundary, aborted, by_mode = 0.0, 0, {}
-    warmup = SimulateConfig.warmup_steps  # the simulation's default: APRIL's store fills in the first steps
-    for factor in (None, 1.5, 3.0):
-        worker = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
-        recorder = StepRecorder(worker.engine.engine)
+    def __init__(self, cfg: Config, model_path: str, train, factor: float | None, n: int):
+        from april_ray.rollout.engine_worker import build_worker
+        from april_ray.rollout.local import LocalPool, LocalProxy
+        from april_ray.rollout.monitor import CompletionMonitor
+        from april_ray.rollout.prompt_source import PromptSource
+        from april_ray.rollout.store import PartialRolloutStore
+
+        self.name = "sync" if factor is None else f"april_{factor:g}"
+        self.factor = factor
+        self.worker = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
+        self.recorder = StepRecorder(self.worker.engine.engine)
         r = dataclasses.replace(cfg.rollout, rollout_batch_size=n, partial_rollout=factor is not None,
                                 over_sampling_batch_size=n if factor is None else round(n * factor))
-        source = PromptSource(train, worker.encode, r.n_samples_per_prompt, cfg.sampling.max_response_len,
+        source = PromptSource(train, self.worker.encode, r.n_samples_per_prompt, cfg.sampling.max_response_len,
                               cfg.task.seed)
-        store = PartialRolloutStore(cfg.staleness.max_versions, cfg.staleness.policy)
-        monitor = CompletionMonitor(r, LocalPool([worker], [cfg.engine.max_num_seqs]), LocalProxy(source),
-                                    LocalProxy(store))
-        trained = wall = cpu = 0.0
-        for step in range(steps):
-            worker.update_weights(None, step)
-            c0 = time.process_time()
-            result = await monitor.step(step, step)
-            recorder.boundary()
-            if step >= warmup:
-                trained += result.metrics["rollout/trained_tokens"]
-                wall += result.metrics["rollout/wall_s"]
-                cpu += time.process_time() - c0
-        boundary += recorder.boundary_s
-        aborted += recorder.aborted
-        by_mode["sync" if factor is None else f"april_{factor:g}"] = {
-            "between_s": recorder.between_s, "steps": len(recorder.rows),
-            "requests": sum(row[5] for row in recorder.rows), "effective_tok_s": trained / wall,
-            "cpu_effective_tok_s": trained / cpu, "measured_steps": steps - warmup}
-        rows += recorder.rows
-        modes += [str(factor)] * len(recorder.rows)
+        self.store = PartialRolloutStore(cfg.staleness.max_versions, cfg.staleness.policy)
+        self.monitor = CompletionMonitor(r, LocalPool([self.worker], [cfg.engine.max_num_seqs]),
+                                         LocalProxy(source), LocalProxy(self.store))
+        self.trained = self.wall = self.cpu = self.process_s = 0.0
+
+    async def step(self, step: int, measured: bool) -> None:
+        self.worker.update_weights(None, step)
+        c0 = time.process_time()
+        result = await self.monitor.step(step, step)
+        self.recorder.boundary()
+        dc = time.process_time() - c0
+        self.process_s += dc
+        if measured:
+            self.trained += result.metrics["rollout/trained_tokens"]
+            self.wall += result.metrics["rollout/wall_s"]
+            self.cpu += dc
+
+    def summary(self, warmup: int, steps: int) -> dict:
+        rec = self.recorder
+        return {"between_s": outside_steps(rec, self.process_s) - rec.boundary_s, "between_thread_s": rec.between_s,
+                "steps": len(rec.rows), "requests": sum(row[5] for row in rec.rows),
+                "effective_tok_s": self.trained / self.wall, "cpu_effective_tok_s": self.trained / self.cpu,
+                "measured_steps": steps - warmup}
+
+
+async def _record_schedules(cfg: Config, model_path: str, train, probe_prompts, steps: int,
+                            probe_s: float = 1.0) -> tuple[list, dict]:
+    """The three schedules interleaved step by step, as `jobs/bench/schedule.py` runs them, and a ceiling
+    probe of `probe_s` after every round: the machine's speed drifts within minutes, and run one after the
+    other the modes and the probe would each see a different machine (in one recording, sync came out 0.09
+    below the interleaved bench's)."""
+    from april_ray.engine.probe import saturated_throughput
+    from april_ray.rollout.engine_worker import build_worker
+
+    n = cfg.rollout.rollout_batch_size // cfg.engine.num_engines
+    warmup = SimulateConfig.warmup_steps  # the simulation's default: APRIL's store fills in the first steps
+    modes = [_RecordedMode(cfg, model_path, train, f, n) for f in (None, 1.5, 3.0)]
     prober = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
     probe = StepRecorder(prober.engine.engine)
-    tokens, seconds, _, cpu = await saturated_throughput(prober.engine, eval_prompts, prober.sampling,
-                                                         cfg.engine.max_num_seqs, 3.0)
-    modes += ["probe"] * len(probe.rows)
-    by_mode["probe"] = {"between_s": probe.between_s, "steps": len(probe.rows),
-                        "requests": sum(row[5] for row in probe.rows), "effective_tok_s": tokens / seconds,
-                        "cpu_effective_tok_s": tokens / cpu}
+    tokens = seconds = probe_cpu = probe_process = 0.0
+    for step in range(steps):
+        for mode in modes:
+            await mode.step(step, measured=step >= warmup)
+        p0 = time.process_time()
+        t, dt, _, cpu = await saturated_throughput(prober.engine, probe_prompts, prober.sampling,
+                                                   cfg.engine.max_num_seqs, probe_s)
+        probe_process += time.process_time() - p0
+        probe.boundary()  # the modes' time until the next probe is not the probe's
+        tokens, seconds, probe_cpu = tokens + t, seconds + dt, probe_cpu + cpu
+    by_mode = {m.name: m.summary(warmup, steps) for m in modes}
+    by_mode["probe"] = {"between_s": outside_steps(probe, probe_process), "between_thread_s": probe.between_s,
+                        "steps": len(probe.rows), "requests": sum(row[5] for row in probe.rows),
+                        "effective_tok_s": tokens / seconds, "cpu_effective_tok_s": tokens / probe_cpu}
     for m in by_mode.values():  # the schedules' utilizations in this same process: the in-situ measurement
         m["utilization"] = m["effective_tok_s"] / by_mode["probe"]["effective_tok_s"]
         m["cpu_utilization"] = m["cpu_effective_tok_s"] / by_mode["probe"]["cpu_effective_tok_s"]
-    return rows + probe.rows, modes, {"boundary_per_aborted": boundary / max(1, aborted), "by_mode": by_mode}
+    rows = [row for m in modes for row in m.recorder.rows] + probe.rows
+    names = [str(m.factor) for m in modes for _ in m.recorder.rows] + ["probe"] * len(probe.rows)
+    aborted = sum(m.recorder.aborted for m in modes)
+    boundary = sum(m.recorder.boundary_s for m in modes)
+    return rows, names, {"boundary_per_aborted": boundary / max(1, aborted), "by_mode": by_mode}
 
 
-def measure_cpu_engine(cfg: Config, model_path: str, train, eval_examples, steps: int = 24,
-                       num_prompts: int = 320) -> dict:
+def measure_cpu_engine(cfg: Config, model_path: str, train, steps: int = 24, num_prompts: int = 320) -> dict:
     import torch
 
     from april_ray.model import load_policy
+    from april_ray.rollout.prompt_source import first_prompts
 
     torch.set_num_threads(cfg.engine.num_threads)
     model, tok = load_policy(model_path)
     t0 = time.perf_counter()
-    rows, modes, between = asyncio.run(_record_schedules(cfg, model_path, train, [tok.encode(e.prompt) for e in eval_examples],
-                                                  steps))
+    probe_prompts = first_prompts(train, tok.encode, cfg.task.seed, 512)
+    rows, modes, between = asyncio.run(_record_schedules(cfg, model_path, train, probe_prompts, steps))
     record_s = time.perf_counter() - t0
     grid = _time_grid(model, cfg, len(tok))
     by_row = measure_lengths(model, tok, cfg, train, num_prompts)
@@ -289,9 +324,9 @@ def measure(cfg: Config) -> dict:
     from april_ray.model import ensure_model
     from april_ray.task.data import dataset_paths, read_examples
 
-    train_path, eval_path = dataset_paths(cfg.task, cfg.model.cache_dir)
+    train_path, _ = dataset_paths(cfg.task, cfg.model.cache_dir)
     train = read_examples(train_path, cfg.task.prompt_key, cfg.task.answer_key)
-    return measure_cpu_engine(cfg, str(ensure_model(cfg)), train, read_examples(eval_path))
+    return measure_cpu_engine(cfg, str(ensure_model(cfg)), train)
 
 
 def combined_costs(costs: dict) -> dict:

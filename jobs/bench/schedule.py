@@ -13,8 +13,10 @@ cores the control plane takes.
 Every mode has its own engine (same weights and seed), source (same seed, so the same prompts) and store;
 the modes run interleaved step by step, one at a time, so the machine's drift falls on all alike. Before
 each round the weights are published again under the next policy version. The ceiling is bench_rollout's
-probe (`EngineWorker.throughput_probe`: every slot busy with the task's prompts, each finished request
-replaced at once) on an engine of its own, before, every `--probe-every` rounds, and after.
+probe (`EngineWorker.throughput_probe`: every slot busy with the training prompts the schedules start
+with, each finished request replaced at once) on an engine of its own, before, every `--probe-every`
+rounds (default: every round, as the machine's speed drifts by 10% and more within a run, and the ceiling
+must average over the same minutes as the modes), and after.
 
 Each utilization is given twice: in wall-clock time (`utilization`: effective tokens/s over the probe's
 tokens/s) and in CPU time (`cpu_utilization`: the same with this process's CPU seconds in place of
@@ -38,7 +40,7 @@ from april_ray.model import load_policy
 from april_ray.rollout.engine_worker import build_worker
 from april_ray.rollout.local import LocalPool, LocalProxy
 from april_ray.rollout.monitor import CompletionMonitor
-from april_ray.rollout.prompt_source import PromptSource
+from april_ray.rollout.prompt_source import PromptSource, first_prompts
 from april_ray.rollout.store import PartialRolloutStore
 from april_ray.task.data import read_examples
 from driver.setup import JobInputs, prepare
@@ -96,7 +98,7 @@ async def run(cfg: Config, args, job: JobInputs) -> dict:
     model, tok = load_policy(model_path)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     train = read_examples(job.train_path, cfg.task.prompt_key, cfg.task.answer_key)
-    probe_prompts = [tok.encode(ex.prompt) for ex in read_examples(job.eval_path)]
+    probe_prompts = first_prompts(train, tok.encode, cfg.task.seed, 512)
     n, _ = per_engine(cfg, None)
     factors = [float(f) for f in args.factors.split(",")]
     modes = [LocalMode("sync", with_rollout(cfg, partial_rollout=False, rollout_batch_size=n,
@@ -144,8 +146,8 @@ def main() -> None:
         p.add_argument("--steps", type=int, default=20)
         p.add_argument("--warmup-steps", type=int, default=2)
         p.add_argument("--factors", default="1.5", help="APRIL's N'/N, comma-separated: one mode each")
-        p.add_argument("--probe-every", type=int, default=10, help="measure the ceiling every this many rounds")
-        p.add_argument("--probe-seconds", type=float, default=5.0)
+        p.add_argument("--probe-every", type=int, default=1, help="measure the ceiling every this many rounds")
+        p.add_argument("--probe-seconds", type=float, default=2.0)
 
     cfg, args = parse(__doc__, extra)
     try:
