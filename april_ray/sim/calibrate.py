@@ -2,7 +2,8 @@
 
 `measure_cpu_engine` records every step of the real CPU engine (`LLMEngine.step`, the tiny model, one torch
 thread) while it serves the real schedules in process (the synchronous baseline and APRIL at N'/N = 1.5
-and 3, as `jobs/bench/schedule.py` wires them) and a saturated probe: the step's running rows, the context
+and 3, as `jobs/bench/schedule.py` wires them, interleaved step by step with a saturated probe after
+every round, so the machine's drift falls on all of them alike): the step's running rows, the context
 its decoding rows hold, the tokens it prefilled, and its CPU time (the thread's: a shared machine's load
 would swamp wall-clock times; and the process's other threads do not belong to the step). It fits
 
@@ -11,17 +12,20 @@ would swamp wall-clock times; and the process's other threads do not belong to t
 so the fit sees the batches these schedules really make (mixed lengths, resumed inputs, prompts joining a
 busy batch). Two more features help the fit but have no counterpart in the simulated engine, which has no
 row layout: a step that regroups its rows (left out of the simulation) and the context the decode attends
-over padded to span classes (counted as the context itself). It also measures, in the schedules, the process's CPU outside engine steps
-per request (front end, engine worker, monitor, reward threads: in the bench they share the engine's one core) and at
-the step boundary per aborted request (the abort parks each cache; the store). It also records the response lengths the model really produces (temperature and budget of
-the config) for the first prompts of the prompt source's order, each prompt's samples together.
-`cpu_setting` is then one simulated engine with those costs and lengths, as the bench runs one real
-engine: the bench's measured utilizations (docs/benchmarks/bench_schedule.json) are what the simulation
-must predict. The recording also yields the schedules' utilizations in the same process and minutes as
-the costs (each mode's effective tokens/s after the warm-up over the probe's saturated tokens/s, with the
-step recorder's `thread_time` calls as the only difference from the bench): `--calibrate` compares with
-both, because this machine's speed drifts between runs (the bench's ceiling read 8,191 tok/s in one
-session and 5,891 in another) and a separate run's figures carry that drift.
+over padded to span classes (counted as the context itself: the simulation's context cost is c plus
+that term's). A uniform grid of batches (every row the same context) is timed too, as a cross-check of
+the decode curve; it is not what the simulation uses, because uniform rows pad nothing and its context
+cost is a third of the schedules' (`grid_fit` in the output).
+
+It also measures, in the schedules, the process's CPU outside engine steps per request (front end,
+engine worker, monitor, reward threads: in the bench they share the engine's one core) and at the step
+boundary per aborted request (the abort parks each cache; the store), and records the response lengths
+the model really produces (temperature and budget of the config) for the first prompts of the prompt
+source's order, each prompt's samples together. `cpu_setting` is then one simulated engine with those
+costs and lengths, as the bench runs one real engine: the bench's measured utilizations are what the
+simulation must predict. The recording also yields the schedules' utilizations in the same process and
+minutes as the costs ("in situ": each mode's effective tokens/s after the warm-up over the probes'
+saturated tokens/s); `--calibrate` compares with both.
 """
 from __future__ import annotations
 
@@ -329,22 +333,6 @@ def measure(cfg: Config) -> dict:
     return measure_cpu_engine(cfg, str(ensure_model(cfg)), train)
 
 
-def combined_costs(costs: dict) -> dict:
-    """The decode curve and prefill per token of the uniform grid (its fastest runs), and the costs only the
-    in-situ steps show (a step's prefill path, restoring parked caches, the CPU between steps and at the
-    boundary), converted to the grid's speed by the ratio of the two fits at 64 rows of 72 tokens."""
-    g, f = costs["grid_fit"], costs["fit"]
-    c = f["c"] + f.get("per_attended", 0.0)
-    ratio = (f["a"] + 64 * f["b"] + 64 * 72 * c) / (g["a"] + 64 * g["b"] + 64 * 72 * g["c"])
-    fit = {"a": g["a"], "b": g["b"], "c": g["c"], "prefill_per_token": g["prefill_per_token"],
-           "prefill_per_step": f["prefill_per_step"] / ratio, "per_admitted": f["per_admitted"] / ratio,
-           "per_restored_token": f["per_restored_token"] / ratio, "speed_ratio": ratio}
-    between = costs["between_steps"]
-    return dict(costs, fit=fit, between_steps={
-        "boundary_per_aborted": between["boundary_per_aborted"] / ratio,
-        "by_mode": {m: dict(v, between_s=v["between_s"] / ratio) for m, v in between["by_mode"].items()}})
-
-
 def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
     """`--calibrate`: bench_schedule's setting (one engine, its N and factors, steps and warm-up) simulated
     with the measured costs and lengths. `shared`: the control plane and the engine workers share the
@@ -360,7 +348,6 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
     prompt_lens = [len(tok.encode(ex.prompt)) for ex in read_examples(train_path, cfg.task.prompt_key,
                                                                        cfg.task.answer_key)]
     in_situ = costs["between_steps"]["by_mode"]  # the same schedules' utilizations, measured with the costs
-    costs = combined_costs(costs)
     between = between_costs(costs["between_steps"])
     setting = cpu_setting(cfg, costs, prompt_lens, between["per_request"], between["per_aborted"], between["per_step"])
     bare = cpu_setting(cfg, costs, prompt_lens)
