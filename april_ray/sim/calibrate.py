@@ -333,6 +333,24 @@ def measure(cfg: Config) -> dict:
     return measure_cpu_engine(cfg, str(ensure_model(cfg)), train)
 
 
+def bench_probe(cfg: Config, setting: Setting, measured: dict) -> tuple[float, float]:
+    """The bench's own ceiling probe simulated (`cluster.restarted_probe`: lanes restarted in lockstep each
+    time, on the prompts the schedules start with, `--probe-seconds` after a second of warm-up, as
+    `jobs/bench/schedule.py` measures it): (tokens per virtual second, mean context per running row)."""
+    from april_ray.rollout.prompt_source import first_prompts
+    from april_ray.sim.clock import run_virtual
+    from april_ray.sim.cluster import restarted_probe
+
+    wl = setting.workload
+    rows = [ids[0] for ids in first_prompts(wl.examples(), wl.encode, cfg.task.seed, 512)]
+    window = measured["config"].get("probe_seconds", 2.0)
+
+    async def main(loop):
+        return await restarted_probe(setting, loop, rows, cfg.rollout.n_samples_per_prompt, 1.0, window)
+
+    return run_virtual(main)
+
+
 def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
     """`--calibrate`: bench_schedule's setting (one engine, its N and factors, steps and warm-up) simulated
     with the measured costs and lengths. `shared`: the control plane and the engine workers share the
@@ -353,9 +371,10 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
     bare = cpu_setting(cfg, costs, prompt_lens)
     bench = measured["config"]
     n, steps, warmup = bench["rollout_batch_size"], measured["sync"]["steps"], sim.warmup_steps
-    ceiling = study.ceiling_of(cpu_setting(cfg, costs, prompt_lens, per_step=between["probe_per_step"]),
-                               cfg.rollout.n_samples_per_prompt)
+    probe_setting = cpu_setting(cfg, costs, prompt_lens, per_step=between["probe_per_step"])
+    ceiling = study.ceiling_of(probe_setting, cfg.rollout.n_samples_per_prompt)
     bare_ceiling = study.ceiling_of(bare, cfg.rollout.n_samples_per_prompt)
+    probe_rate, probe_context = bench_probe(cfg, probe_setting, measured)
     modes = [("sync", None)] + [(f"april_{f:g}", f) for f in bench["factors"]]
     rows = []
     for name, f in modes:
@@ -367,6 +386,8 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
         cpu, cpu_here = m.get("cpu_utilization"), in_situ.get(name, {}).get("cpu_utilization")
         rows.append({"mode": name, "factor": f, "measured_utilization": m["utilization"],
                      "simulated_utilization": sim_["utilization"], "error": sim_["utilization"] - m["utilization"],
+                     "simulated_vs_bench_probe": sim_["effective_tok_s"] / probe_rate,
+                     "bench_probe_error": sim_["effective_tok_s"] / probe_rate - m["utilization"],
                      "measured_cpu_utilization": cpu, "cpu_error": None if cpu is None else sim_["utilization"] - cpu,
                      "in_situ_utilization": here, "in_situ_error": None if here is None else sim_["utilization"] - here,
                      "in_situ_cpu_utilization": cpu_here,
@@ -384,9 +405,15 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
                      "samples_with_wrong_length": sim_["samples_with_wrong_length"] + alone["samples_with_wrong_length"]})
         print(f"{name:10s} measured {m['utilization']:.3f}, CPU {cpu or float('nan'):.3f} (in situ {here or float('nan'):.3f}, "
               f"CPU {cpu_here or float('nan'):.3f})  simulated {sim_['utilization']:.3f} "
-              f"(engine alone {alone['utilization']:.3f})", flush=True)
-    return {"ceiling_tok_s": {"measured": measured["saturated_tok_s"], "simulated": ceiling},
+              f"(engine alone {alone['utilization']:.3f}; over the bench's probe {rows[-1]['simulated_vs_bench_probe']:.3f})",
+              flush=True)
+    print(f"ceiling: simulated {ceiling:.0f} tok/s (steady state), the bench's restarted probe simulated "
+          f"{probe_rate:.0f} tok/s (context {probe_context:.1f} per row)", flush=True)
+    return {"ceiling_tok_s": {"measured": measured["saturated_tok_s"], "simulated": ceiling,
+                              "simulated_bench_probe": probe_rate},
+            "bench_probe_context_per_row": probe_context,
             "comparison": rows, "within_0.05": all(abs(r["error"]) <= 0.05 for r in rows),
+            "within_0.05_bench_probe": all(abs(r["bench_probe_error"]) <= 0.05 for r in rows),
             "within_0.05_cpu": all(r["cpu_error"] is not None and abs(r["cpu_error"]) <= 0.05 for r in rows),
             "within_0.05_in_situ": all(r["in_situ_error"] is not None and abs(r["in_situ_error"]) <= 0.05 for r in rows),
             "setup": {"rollout_batch_size": n, "steps": steps, "warmup_steps": warmup, "fit": costs["fit"],

@@ -88,6 +88,8 @@ class SimEngine:
         self.num_generated = self.num_prefill = self.num_reused = self.num_retracted = 0
         self.busy_s = self.row_seconds = 0.0
         self.num_steps = self.row_steps = 0
+        self.context_steps = 0
+        """Context per running row summed over rows and steps (over `row_steps`: the mean context)."""
         self.peak_context = 0
         self.occupancy: list[tuple[float, int]] = []
         self._seq = 0
@@ -211,6 +213,7 @@ class SimEngine:
         self.row_seconds += s.rows * (end - s.t_start)
         self.num_steps += s.n
         self.row_steps += s.rows * s.n
+        self.context_steps += s.context * s.n + s.rows * s.n * (s.n - 1) // 2
         self.occupancy.append((end, s.rows))
         self.t_free = end
 

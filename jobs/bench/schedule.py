@@ -136,7 +136,8 @@ async def run(cfg: Config, args, job: JobInputs) -> dict:
             "config": {"rollout_batch_size": n, "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
                        "max_num_seqs": cfg.engine.max_num_seqs, "max_response_len": cfg.sampling.max_response_len,
                        "park_slots": cfg.engine.park_slots, "reuse_stale_kv": cfg.engine.reuse_stale_kv,
-                       "max_staleness": cfg.staleness.max_versions, "factors": factors}}
+                       "max_staleness": cfg.staleness.max_versions, "factors": factors,
+                       "probe_seconds": args.probe_seconds, "probe_every": args.probe_every}}
 
 
 def main() -> None:
