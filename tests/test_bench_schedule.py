@@ -41,5 +41,7 @@ def test_bench_schedule_runs_sync_and_april_in_process(tmp_path, random_model_di
         assert res["effective_tok_s"] > 0 and 0 < res["utilization"] and 0 < res["running_rows_mean"] <= 16
         assert res["cpu_utilization"] == pytest.approx(res["trained_tokens"] / res["cpu_s"] / r["saturated_cpu_tok_s"], abs=1e-3)
         assert res["lost_samples"] == res["duplicated_samples"] == 0
+        assert len(res["sample_lengths"]) == 4 * 4 * 4  # every returned sample of 4 steps x 4 groups x 4
+        assert all(0 < n <= 24 for n in res["sample_lengths"].values())
     assert r["sync"]["speedup"] == 1 and r["sync"]["off_policy_token_ratio"] == 0
     assert r["april_2"]["speedup"] == pytest.approx(r["april_2"]["effective_tok_s"] / r["sync"]["effective_tok_s"])

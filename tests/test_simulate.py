@@ -302,6 +302,8 @@ def test_calibrate_compares_the_simulation_with_both_measurements(tmp_path, rand
         if r["measured_cpu_utilization"] is not None:
             assert r["cpu_error"] == pytest.approx(r["simulated_utilization"] - r["measured_cpu_utilization"])
         assert r["bench_probe_error"] == pytest.approx(r["simulated_vs_bench_probe"] - r["measured_utilization"])
+        assert r["replayed_error"] == pytest.approx(r["replayed_vs_bench_probe"] - r["measured_utilization"])
         assert r["simulated_vs_bench_probe"] < r["simulated_utilization"]  # a restarted probe runs short contexts
-    assert {"within_0.05", "within_0.05_cpu", "within_0.05_in_situ", "within_0.05_bench_probe"} <= result.keys()
+    assert {"within_0.05", "within_0.05_cpu", "within_0.05_in_situ", "within_0.05_bench_probe",
+            "within_0.05_replayed"} <= result.keys()
     assert result["ceiling_tok_s"]["simulated_bench_probe"] > result["ceiling_tok_s"]["simulated"]

@@ -307,13 +307,13 @@ def cpu_step_cost(fit: dict, per_request: float = 0.0, per_aborted: float = 0.0,
 
 
 def cpu_setting(cfg: Config, measured: dict, prompt_lens: list[int], per_request: float = 0.0,
-                per_aborted: float = 0.0, per_step: float = 0.0) -> Setting:
+                per_aborted: float = 0.0, per_step: float = 0.0, by_sample: dict[str, int] | None = None) -> Setting:
     """One simulated CPU engine as `jobs/bench/schedule.py` runs one: the config's cap, budget, parked
     caches and stale-cache reuse; lengths of the task as the model produced them (one token a block)."""
     from april_ray.config import StalenessConfig
 
     by_row = {int(k): v for k, v in measured["by_row"].items()}
-    lengths = LengthModel("task", 1.0, 1.0, 1.0, cfg.task.seed, rows=by_row)
+    lengths = LengthModel("task", 1.0, 1.0, 1.0, cfg.task.seed, rows=by_row, by_sample=by_sample)
     workload = Workload(lengths, prompt_lens, 1, cfg.sampling.max_response_len, 0.0, cfg.task.seed)
     e = cfg.engine
     stale = cfg.staleness.max_versions if e.reuse_stale_kv else 0
@@ -382,12 +382,19 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
         sim_ = study.run_schedule(setting, rollout, steps, warmup, "none", ceiling)
         alone = study.run_schedule(bare, rollout, steps, warmup, "none", bare_ceiling)
         m = measured[name]
+        replayed = None
+        if m.get("sample_lengths"):  # the bench's own lengths, sample by sample (each mode drew its own)
+            replay = cpu_setting(cfg, costs, prompt_lens, between["per_request"], between["per_aborted"],
+                                 between["per_step"], by_sample=m["sample_lengths"])
+            replayed = study.run_schedule(replay, rollout, steps, warmup, "none", ceiling)["effective_tok_s"] / probe_rate
         here = in_situ.get(name, {}).get("utilization")
         cpu, cpu_here = m.get("cpu_utilization"), in_situ.get(name, {}).get("cpu_utilization")
         rows.append({"mode": name, "factor": f, "measured_utilization": m["utilization"],
                      "simulated_utilization": sim_["utilization"], "error": sim_["utilization"] - m["utilization"],
                      "simulated_vs_bench_probe": sim_["effective_tok_s"] / probe_rate,
                      "bench_probe_error": sim_["effective_tok_s"] / probe_rate - m["utilization"],
+                     "replayed_vs_bench_probe": replayed,
+                     "replayed_error": None if replayed is None else replayed - m["utilization"],
                      "measured_cpu_utilization": cpu, "cpu_error": None if cpu is None else sim_["utilization"] - cpu,
                      "in_situ_utilization": here, "in_situ_error": None if here is None else sim_["utilization"] - here,
                      "in_situ_cpu_utilization": cpu_here,
@@ -405,8 +412,8 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
                      "samples_with_wrong_length": sim_["samples_with_wrong_length"] + alone["samples_with_wrong_length"]})
         print(f"{name:10s} measured {m['utilization']:.3f}, CPU {cpu or float('nan'):.3f} (in situ {here or float('nan'):.3f}, "
               f"CPU {cpu_here or float('nan'):.3f})  simulated {sim_['utilization']:.3f} "
-              f"(engine alone {alone['utilization']:.3f}; over the bench's probe {rows[-1]['simulated_vs_bench_probe']:.3f})",
-              flush=True)
+              f"(engine alone {alone['utilization']:.3f}; over the bench's probe {rows[-1]['simulated_vs_bench_probe']:.3f}, "
+              f"with the bench's own lengths {replayed or float('nan'):.3f})", flush=True)
     print(f"ceiling: simulated {ceiling:.0f} tok/s (steady state), the bench's restarted probe simulated "
           f"{probe_rate:.0f} tok/s (context {probe_context:.1f} per row)", flush=True)
     return {"ceiling_tok_s": {"measured": measured["saturated_tok_s"], "simulated": ceiling,
@@ -414,6 +421,7 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
             "bench_probe_context_per_row": probe_context,
             "comparison": rows, "within_0.05": all(abs(r["error"]) <= 0.05 for r in rows),
             "within_0.05_bench_probe": all(abs(r["bench_probe_error"]) <= 0.05 for r in rows),
+            "within_0.05_replayed": all(r["replayed_error"] is not None and abs(r["replayed_error"]) <= 0.05 for r in rows),
             "within_0.05_cpu": all(r["cpu_error"] is not None and abs(r["cpu_error"]) <= 0.05 for r in rows),
             "within_0.05_in_situ": all(r["in_situ_error"] is not None and abs(r["in_situ_error"]) <= 0.05 for r in rows),
             "setup": {"rollout_batch_size": n, "steps": steps, "warmup_steps": warmup, "fit": costs["fit"],

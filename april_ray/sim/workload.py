@@ -52,7 +52,10 @@ class LengthModel:
     """Response length in tokens of sample `sample_key` of prompt row `row` (before the budget cap)."""
 
     def __init__(self, family: str, median: float, sigma: float, rho: float, seed: int,
-                 histogram: list[int] | None = None, rows: dict[int, list[int]] | None = None):
+                 histogram: list[int] | None = None, rows: dict[int, list[int]] | None = None,
+                 by_sample: dict[str, int] | None = None):
+        """`by_sample`: lengths of particular samples by id, taken before any draw (a calibration replays
+        the lengths a benchmark's samples really had)."""
         if family not in ("lognormal", "histogram", "task"):
             raise ValueError(f"response length family {family!r}: expected lognormal, histogram or task")
         if family == "histogram" and not histogram:
@@ -63,9 +66,12 @@ class LengthModel:
         self.sorted = sorted(histogram or [])
         self.rows = rows or {}
         self.row_keys = sorted(self.rows)
+        self.by_sample = by_sample or {}
 
     @functools.lru_cache(maxsize=1 << 17)  # a sample's length is looked up at every call that carries it
     def __call__(self, row: int, sample_key: str) -> int:
+        if sample_key in self.by_sample:
+            return self.by_sample[sample_key]
         if self.family == "task":
             return self._measured(row, sample_key)
         z = math.sqrt(self.rho) * self._prompt_score(row) + \

@@ -71,6 +71,9 @@ class LocalMode:
         self.log = StepLog(r.n_samples_per_prompt)
         self.cpu_s = 0.0
         """The process's CPU over the measured steps: everything (engine, worker, monitor) is on this thread."""
+        self.sample_lengths: dict[str, int] = {}
+        """Response length of every sample returned, warm-up included (the simulator's calibration replays
+        them: this mode's own draws, which set sync's pace through each round's longest sample)."""
 
     async def step(self, step: int, measured: bool) -> None:
         before = self.worker.stats(drain=True)
@@ -78,6 +81,8 @@ class LocalMode:
         result = await self.rollout.step(step, step)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         after = self.worker.stats(drain=True)
+        for meta in (m for group in result.metas for m in group):
+            self.sample_lengths[meta.sample_id] = meta.response_len
         if measured:
             self.log.add(dt, result, len(self.store), [before], [after])
             self.cpu_s += dc
@@ -90,7 +95,8 @@ class LocalMode:
         return {"rollout_batch_size": self.cfg.rollout.rollout_batch_size,
                 "over_sampling_batch_size": self.cfg.rollout.over_sampling_batch_size,
                 **res, "utilization": res["effective_tok_s"] / ceiling,
-                "cpu_s": self.cpu_s, "cpu_effective_tok_s": cpu_tok_s, "cpu_utilization": cpu_tok_s / cpu_ceiling}
+                "cpu_s": self.cpu_s, "cpu_effective_tok_s": cpu_tok_s, "cpu_utilization": cpu_tok_s / cpu_ceiling,
+                "sample_lengths": self.sample_lengths}
 
 
 async def run(cfg: Config, args, job: JobInputs) -> dict:
