@@ -256,3 +256,50 @@ def test_math_verify_runs_under_the_reward_runner_off_the_main_thread():
 
     runner = RewardRunner(math_reward, timeout_s=30)
     assert asyncio.run(runner("", "The answer is \\boxed{\\frac{1}{2}}", "0.5")) == 1.0 and runner.total_errors == 0
+
+
+def test_a_failed_output_fails_the_group_call_and_cancels_the_others():
+    """One request the engine refuses fails the whole call (the monitor keeps the samples as sent, stores
+    them and fails the step), and the group's other requests are cancelled on the engine, not left running."""
+    import asyncio
+
+    from april_ray.rollout.engine_worker import EngineWorker
+    from april_ray.types import Sample, SamplingParams
+
+    class Engine:
+        def __init__(self):
+            self.futures = []
+
+        def generate(self, request):
+            if request.request_id.startswith("bad"):
+                raise ValueError(f"request {request.request_id}: too long")
+            fut = asyncio.get_running_loop().create_future()
+            self.futures.append(fut)
+            return fut
+
+    engine = Engine()
+    worker = EngineWorker(engine, lambda ids: "", lambda *a: 0.0, SamplingParams(max_new_tokens=8))
+
+    async def go(ids):
+        samples = [Sample(i, "g", "p", "", [5], 8) for i in ids]
+        with pytest.raises(ValueError, match="too long"):
+            await worker.generate_group(samples, ("run", 0))
+        await asyncio.sleep(0)
+        return samples
+
+    samples = asyncio.run(go(["a", "b", "bad", "c"]))
+    assert len(engine.futures) == 2 and all(f.cancelled() for f in engine.futures)
+    assert all(not s.response_ids for s in samples)
+
+    async def fails_later():  # an output that arrives as an error, after the requests went out
+        engine.futures.clear()
+        call = asyncio.ensure_future(worker.generate_group([Sample(i, "g", "p", "", [5], 8) for i in "xyz"],
+                                                           ("run", 1)))
+        await asyncio.sleep(0)
+        engine.futures[1].set_exception(RuntimeError("engine lost the request"))
+        with pytest.raises(RuntimeError, match="lost the request"):
+            await call
+        return engine.futures
+
+    futures = asyncio.run(fails_later())
+    assert futures[0].cancelled() and futures[2].cancelled() and not futures[1].cancelled()

@@ -88,16 +88,17 @@ class EngineWorker:
             return [sample_meta(s, 0) for s in samples], list(samples)
         group = _GroupCall(asyncio.get_running_loop().create_future(), len(samples))
         calls = []
-        for s in samples:
-            s = with_fields(s, num_resumes=s.num_resumes + bool(s.response_ids))
-            sp = with_fields(self.sampling, max_new_tokens=s.remaining_budget)
-            out = asyncio.ensure_future(self.engine.generate(GenerateRequest(f"{s.sample_id}@{step}", s.input_ids, sp)))
-            out.add_done_callback(partial(self._arrived, s, group))
-            calls.append((s, out))
         try:
+            for s in samples:
+                s = with_fields(s, num_resumes=s.num_resumes + bool(s.response_ids))
+                sp = with_fields(self.sampling, max_new_tokens=s.remaining_budget)
+                out = asyncio.ensure_future(self.engine.generate(GenerateRequest(f"{s.sample_id}@{step}", s.input_ids,
+                                                                                 sp)))
+                out.add_done_callback(partial(self._arrived, s, group))
+                calls.append((s, out))
             await group.done
-        except BaseException:
-            for _, out in calls:  # as gather would: an error or a cancellation stops the rest
+        except BaseException:  # one output failed, or the call was cancelled: the rest stop too (the engine
+            for _, out in calls:  # aborts a cancelled request), and the samples stay as they were sent
                 out.cancel()
             raise
         if not all(r.done() for _, r in group.rewards):
@@ -109,8 +110,11 @@ class EngineWorker:
     def _arrived(self, sample: Sample, group: "_GroupCall", out: asyncio.Future) -> None:
         if group.done.done():
             return
-        if out.cancelled() or out.exception() is not None:
-            group.done.set_exception(out.exception() if not out.cancelled() else asyncio.CancelledError())
+        if out.cancelled():
+            group.done.cancel()
+            return
+        if out.exception() is not None:
+            group.done.set_exception(out.exception())
             return
         sample.extend(out.result())
         if sample.state == SampleState.FINISHED:
