@@ -17,7 +17,9 @@ replace the configured backend (`engine.backend` and the server's settings are n
 model); `--calibrate` runs the simulator with those costs and compares it with `jobs.bench.schedule`'s
 measured utilizations (`--measured`, default docs/benchmarks/bench_schedule_calibration.json) and with the
 same schedules' utilizations measured in the costs' own run, each in wall-clock and in CPU time (the costs
-are CPU time; on a shared machine the wall clock also counts what other processes took of the core).
+are CPU time; on a shared machine the wall clock also counts what other processes took of the core). The
+simulated utilizations are given over the steady-state ceiling and over the bench's own probe as it runs
+it, and, when the bench's JSON records its samples' lengths, with those lengths replayed.
 """
 from __future__ import annotations
 
