@@ -72,10 +72,12 @@ class EngineWorkerActor:
     async def abort_all(self, step) -> int:
         return self.worker.abort_all(step)
 
-    async def update_weights(self, state_dict, version: int) -> None:
+    async def update_weights(self, state_dict, version: int) -> dict:
+        """Adopts the weights; returns `status()` (the driver counts a restart from its incarnation)."""
         self.worker.update_weights(state_dict, version)
         self.metrics.set_version(version)
         self.version, self.serving = version, True
+        return await self.status()
 
     async def server_url(self) -> str:
         """engine.backend=sglang: where this engine's server answers (the learner sends weights there)."""

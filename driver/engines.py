@@ -76,12 +76,21 @@ class EngineGroup:
         """Every engine adopts the weights behind one object ref (one `ray.put`, no per-engine copies);
         `None`: the weights reached the servers by another channel, only the version is new.
 
-        An engine that is down misses them; it refuses work until `catch_up` brings it to this version."""
+        An engine that is down misses them; it refuses work until `catch_up` brings it to this version. One
+        that died and is already back takes them here, and its restart is counted here."""
         self.weights = (weights_ref, version)
         for e, out in enumerate(settle([a.update_weights.remote(weights_ref, version) for a in self.actors])):
             if isinstance(out, Exception):
                 log.warning("engine %d missed the weights of version %d (%s): caught up once it is back",
                             e, version, type(out).__name__)
+            else:
+                self._seen(e, out["incarnation"])
+
+    def _seen(self, e: int, incarnation: str) -> None:
+        """Engine `e` answered from process `incarnation`: a new one is a restart."""
+        if incarnation != self.incarnations[e]:
+            self.incarnations[e] = incarnation
+            self.restarts += 1
 
     def catch_up(self, engines: list[int], wait_s: float) -> list[int]:
         """Of `engines`, those that answer within `wait_s` and now serve the latest weights (restarted ones
@@ -92,15 +101,16 @@ class EngineGroup:
         for e, st in zip(engines, status):
             if isinstance(st, Exception):
                 continue
-            if st["incarnation"] != self.incarnations[e]:
-                self.incarnations[e] = st["incarnation"]
-                self.restarts += 1
+            self._seen(e, st["incarnation"])
             if not st["serving"] or st["version"] != version:
                 behind.append(e)
         if behind and ref is None and version > 0:
             ref = self._weights_in_object_store(version)
         done = settle([self.actors[e].update_weights.remote(ref, version) for e in behind], wait_s)
         failed = {e for e, out in zip(behind, done) if isinstance(out, Exception)}
+        for e, out in zip(behind, done):
+            if e not in failed:
+                self._seen(e, out["incarnation"])  # died again between its status and its update
         return [e for e, st in zip(engines, status) if not isinstance(st, Exception) and e not in failed]
 
     def _weights_in_object_store(self, version: int):

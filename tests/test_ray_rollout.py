@@ -268,3 +268,27 @@ def test_a_restarted_engine_is_caught_up_from_the_weights_source_when_weights_we
     assert calls == [1] and engines.restarts == 1
     actors, results = run_steps(cfg, model_dir, engines, 1, first_step=3)  # it serves again
     assert results and len(results[0][0].groups) == cfg.rollout.rollout_batch_size
+
+
+def test_an_engine_restarted_between_steps_is_counted_when_the_publish_reaches_it(local_ray, tmp_path, model_dir,
+                                                                                  engines_of):
+    """An engine killed while idle and back before the next publish takes the new weights there and serves
+    at once, never seen down by a step; its restart is still counted (the `engine/restarts` metric)."""
+    import os
+    import signal
+    import time
+
+    cfg = small_cfg(tmp_path)
+    engines = engines_of(cfg, model_dir)
+    before = ray.get(engines.actors[0].status.remote())
+    os.kill(before["pid"], signal.SIGKILL)
+    deadline, after = time.time() + 180, before
+    while after["incarnation"] == before["incarnation"] and time.time() < deadline:
+        try:
+            after = ray.get(engines.actors[0].status.remote(), timeout=5.0)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            time.sleep(0.5)
+    assert after["pid"] != before["pid"] and not after["serving"] and engines.restarts == 0
+    engines.publish(ray.put(None), 1)
+    assert engines.restarts == 1 and ray.get(engines.actors[0].status.remote())["serving"]
+    assert engines.catch_up([0, 1], wait_s=10.0) == [0, 1] and engines.restarts == 1  # counted once
