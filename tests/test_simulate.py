@@ -86,6 +86,12 @@ def test_decode_cost_against_hand_computation():
     three = StepCost(0.001, ((1.0, 0.0, 0.01), (3.0, 0.0, 0.0), (0.0, 0.5, 0.02)), 0.0, 0.0)
     for rows, ctx, n in ((1, 0.0, 500), (3, 10.0, 77), (2, 400.0, 1)):
         assert three.decode_span(rows, ctx, n) == pytest.approx(sum(three.step(rows, ctx + rows * j) for j in range(n)))
+    # the CPU engine's padded attention: its span grows by `rows` tokens a step, like the context
+    padded = StepCost(0.0, ((0.001, 1e-4, 1e-6),), 0.0, 0.0, per_attended=2e-6)
+    assert padded.step(4, 100.0, 256.0) == pytest.approx(0.001 + 4e-4 + 1e-4 + 2e-6 * 256)
+    assert padded.decode_span(4, 100.0, 9, 256.0) == pytest.approx(
+        sum(padded.step(4, 100.0 + 4 * j, 256.0 + 4 * j) for j in range(9)))
+    assert padded.steps_within(4, 100.0, 9, padded.decode_span(4, 100.0, 5, 256.0), 256.0) == 5
     prefill = cost.admission([(0, 1000), (200, 300)])
     pairs = 1000 * 1001 / 2 + (300 * 301 - 200 * 201) / 2
     assert prefill == pytest.approx((1100 * 2 * m.num_params + pairs * 4 * 36 * 32 * 128) / fl)
@@ -172,6 +178,30 @@ def test_running_rows_capped_and_parked_cache_skips_the_prefill():
     outs, again, prefilled, reused = run_virtual(main)
     assert [o.num_tokens for o in outs] == [6, 6, 0]
     assert again.num_tokens == 34 and prefilled == 0 and reused == 7 - 1  # the last input token is decoded
+
+
+def test_padded_attention_is_the_cpu_engines_over_rows_grouped_by_span_class():
+    """With a `per_attended` cost the simulated engine pads each row to the longest context of its span
+    class, as the CPU engine's decode segments do once its rows are grouped by class."""
+    from april_ray.engine.model_runner import decode_segments
+
+    cost = StepCost(0.0, ((0.001, 0.0, 0.0),), 0.0, 0.0, per_attended=1e-6)
+
+    async def main(loop):
+        e = SimEngine(cost, Lengths(500), max_num_seqs=8, kv_capacity=100_000, max_prefill_tokens=100_000)
+        tasks = [asyncio.ensure_future(e.generate(request(f"r{i}@0", done=d, budget=600)))
+                 for i, d in enumerate((5, 40, 62, 70, 200, 130))]
+        await asyncio.sleep(0.0205)  # mid-span: nothing finishes before 300 steps
+        positions = sorted(r.input_len + e.steps - r.start - 1 for r in e.running.values())
+        attended = e._attended()
+        e.abort_all()
+        await asyncio.gather(*tasks)
+        return positions, attended, e.span
+
+    positions, attended, span = run_virtual(main)
+    expected = sum((end - start) * width for start, end, width in decode_segments(positions))
+    assert attended == expected and attended > sum(p + 1 for p in positions)  # three classes, padded
+    assert span is None
 
 
 def test_parked_caches_past_the_staleness_bound_free_their_slots():

@@ -7,15 +7,22 @@ every round, so the machine's drift falls on all of them alike): the step's runn
 its decoding rows hold, the tokens it prefilled, and its CPU time (the thread's: a shared machine's load
 would swamp wall-clock times; and the process's other threads do not belong to the step). It fits
 
-    step = a + b * rows + c * context + prefill_per_token * prefilled + prefill_per_step * (any prefill)
+    step = a + b * rows + c * context + per_attended * attended
+           + prefill_per_token * prefilled + prefill_per_step * (any prefill) + ...
 
 so the fit sees the batches these schedules really make (mixed lengths, resumed inputs, prompts joining a
-busy batch). Two more features help the fit but have no counterpart in the simulated engine, which has no
-row layout: a step that regroups its rows (left out of the simulation) and the context the decode attends
-over padded to span classes (counted as the context itself: the simulation's context cost is c plus
-that term's). A uniform grid of batches (every row the same context) is timed too, as a cross-check of
-the decode curve; it is not what the simulation uses, because uniform rows pad nothing and its context
-cost is a third of the schedules' (`grid_fit` in the output).
+busy batch). `attended` is the span the decode attends over, each row padded to the longest context of
+its span class (`model_runner.decode_segments`): rows that started together pad nothing (the synchronous
+baseline's, 1.00 of the context), rows of every age pad half as much again (APRIL's and the probe's,
+1.5-1.6); the simulated engine pads its rows the same way (sim/engine.py). One feature has no
+counterpart there, which has no row layout: a step that regroups its rows (about 1% of the probe's time;
+left out). A uniform grid of batches (every row the same context) is timed too, as a cross-check of the
+decode curve; it is not what the simulation uses (`grid_fit` in the output).
+
+`jobs.bench.schedule` records the same features for every engine step of its own run, and its fit is
+what `--calibrate` simulates that run with when its JSON has it (`step_costs`): the costs then come from
+the minutes the utilizations were measured in (this machine's speed drifts by 10% within minutes), and
+this recording's costs are a cross-check.
 
 It also measures, in the schedules, the process's CPU outside engine steps per request (front end,
 engine worker, monitor, reward threads: in the bench they share the engine's one core) and at the step
@@ -301,9 +308,9 @@ def cpu_step_cost(fit: dict, per_request: float = 0.0, per_aborted: float = 0.0,
     """The fitted CPU costs (a prompt that joins a running batch is prefilled in its decode pass,
     `LLMEngine.step`, so a prefill adds to that step), plus `per_request` of CPU a request costs its
     callers on the engine's thread, and `per_aborted` of step boundary per aborted request."""
-    return StepCost(per_step, ((fit["a"], fit["b"], fit["c"] + fit.get("per_attended", 0.0)),),
-                    fit["prefill_per_token"], 0.0, fit["prefill_per_step"],
-                    fit["per_admitted"] + per_request, fit["per_restored_token"], per_aborted)
+    return StepCost(per_step, ((fit["a"], fit["b"], fit["c"]),), fit["prefill_per_token"], 0.0, fit["prefill_per_step"],
+                    fit["per_admitted"] + per_request, fit["per_restored_token"], per_aborted,
+                    fit.get("per_attended", 0.0))
 
 
 def cpu_setting(cfg: Config, measured: dict, prompt_lens: list[int], per_request: float = 0.0,
@@ -331,6 +338,12 @@ def measure(cfg: Config) -> dict:
     train_path, _ = dataset_paths(cfg.task, cfg.model.cache_dir)
     train = read_examples(train_path, cfg.task.prompt_key, cfg.task.answer_key)
     return measure_cpu_engine(cfg, str(ensure_model(cfg)), train)
+
+
+def attended_per_context(measured: dict, mode: str) -> float | None:
+    """The padded attention span over the context, over the bench's engine steps of `mode` (if recorded)."""
+    sums = measured.get("step_costs", {}).get("sums", {}).get(mode)
+    return sums["attended"] / max(1.0, sums["context"]) if sums else None
 
 
 def bench_probe(cfg: Config, setting: Setting, measured: dict) -> tuple[float, float]:
@@ -366,15 +379,23 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
     prompt_lens = [len(tok.encode(ex.prompt)) for ex in read_examples(train_path, cfg.task.prompt_key,
                                                                        cfg.task.answer_key)]
     in_situ = costs["between_steps"]["by_mode"]  # the same schedules' utilizations, measured with the costs
+    recording = costs
+    if measured.get("step_costs"):  # the bench's own engine steps: costs from the minutes it measured in
+        costs = costs | {"fit": measured["step_costs"]["fit"], "between_steps": measured["step_costs"]["between_steps"]}
     between = between_costs(costs["between_steps"])
     setting = cpu_setting(cfg, costs, prompt_lens, between["per_request"], between["per_aborted"], between["per_step"])
     bare = cpu_setting(cfg, costs, prompt_lens)
+    rec_between = between_costs(recording["between_steps"])
+    rec_setting = cpu_setting(cfg, recording, prompt_lens, rec_between["per_request"], rec_between["per_aborted"],
+                              rec_between["per_step"])
     bench = measured["config"]
     n, steps, warmup = bench["rollout_batch_size"], measured["sync"]["steps"], sim.warmup_steps
     probe_setting = cpu_setting(cfg, costs, prompt_lens, per_step=between["probe_per_step"])
     ceiling = study.ceiling_of(probe_setting, cfg.rollout.n_samples_per_prompt)
     bare_ceiling = study.ceiling_of(bare, cfg.rollout.n_samples_per_prompt)
     probe_rate, probe_context = bench_probe(cfg, probe_setting, measured)
+    rec_probe_rate, _ = bench_probe(cfg, cpu_setting(cfg, recording, prompt_lens, per_step=rec_between["probe_per_step"]),
+                                    measured)
     modes = [("sync", None)] + [(f"april_{f:g}", f) for f in bench["factors"]]
     rows = []
     for name, f in modes:
@@ -387,6 +408,10 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
             replay = cpu_setting(cfg, costs, prompt_lens, between["per_request"], between["per_aborted"],
                                  between["per_step"], by_sample=m["sample_lengths"])
             replayed = study.run_schedule(replay, rollout, steps, warmup, "none", ceiling)["effective_tok_s"] / probe_rate
+        with_recording = None
+        if recording is not costs:  # cross-check: the same with the costs of `--measure-cpu`'s own recording
+            with_recording = study.run_schedule(rec_setting, rollout, steps, warmup, "none", ceiling)["effective_tok_s"] \
+                / rec_probe_rate
         here = in_situ.get(name, {}).get("utilization")
         cpu, cpu_here = m.get("cpu_utilization"), in_situ.get(name, {}).get("cpu_utilization")
         rows.append({"mode": name, "factor": f, "measured_utilization": m["utilization"],
@@ -395,6 +420,8 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
                      "bench_probe_error": sim_["effective_tok_s"] / probe_rate - m["utilization"],
                      "replayed_vs_bench_probe": replayed,
                      "replayed_error": None if replayed is None else replayed - m["utilization"],
+                     "recording_costs_vs_bench_probe": with_recording,
+                     "recording_costs_error": None if with_recording is None else with_recording - m["utilization"],
                      "measured_cpu_utilization": cpu, "cpu_error": None if cpu is None else sim_["utilization"] - cpu,
                      "in_situ_utilization": here, "in_situ_error": None if here is None else sim_["utilization"] - here,
                      "in_situ_cpu_utilization": cpu_here,
@@ -407,13 +434,16 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
                      "simulated_prefill_per_decoded": sim_["prefill_per_decoded"],
                      "measured_reused_kv_per_decoded": m.get("engine_reused_kv_tokens", 0) / max(1, m.get("engine_decoded_tokens", 0)),
                      "simulated_reused_kv_per_decoded": sim_["reused_kv_per_decoded"],
+                     "measured_attended_per_context": attended_per_context(measured, name),
+                     "simulated_attended_per_context": sim_["attended_per_context"],
                      "simulated_control_plane_cpu_s_per_step": sim_["control_plane_cpu_s_per_step"],
                      "duplicated_samples": sim_["duplicated_samples"] + alone["duplicated_samples"],
                      "samples_with_wrong_length": sim_["samples_with_wrong_length"] + alone["samples_with_wrong_length"]})
         print(f"{name:10s} measured {m['utilization']:.3f}, CPU {cpu or float('nan'):.3f} (in situ {here or float('nan'):.3f}, "
               f"CPU {cpu_here or float('nan'):.3f})  simulated {sim_['utilization']:.3f} "
               f"(engine alone {alone['utilization']:.3f}; over the bench's probe {rows[-1]['simulated_vs_bench_probe']:.3f}, "
-              f"with the bench's own lengths {replayed or float('nan'):.3f})", flush=True)
+              f"with the bench's own lengths {replayed or float('nan'):.3f}; with the recording's costs "
+              f"{with_recording or float('nan'):.3f})", flush=True)
     print(f"ceiling: simulated {ceiling:.0f} tok/s (steady state), the bench's restarted probe simulated "
           f"{probe_rate:.0f} tok/s (context {probe_context:.1f} per row)", flush=True)
     return {"ceiling_tok_s": {"measured": measured["saturated_tok_s"], "simulated": ceiling,
@@ -424,6 +454,8 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
             "within_0.05_replayed": all(r["replayed_error"] is not None and abs(r["replayed_error"]) <= 0.05 for r in rows),
             "within_0.05_cpu": all(r["cpu_error"] is not None and abs(r["cpu_error"]) <= 0.05 for r in rows),
             "within_0.05_in_situ": all(r["in_situ_error"] is not None and abs(r["in_situ_error"]) <= 0.05 for r in rows),
-            "setup": {"rollout_batch_size": n, "steps": steps, "warmup_steps": warmup, "fit": costs["fit"],
+            "setup": {"rollout_batch_size": n, "steps": steps, "warmup_steps": warmup,
+                      "costs_from": "the bench run's own engine steps" if recording is not costs
+                      else "the --measure-cpu recording", "fit": costs["fit"],
                       "between_steps": between,
                       "lengths": {k: costs["setup"][k] for k in ("response_len_mean", "response_len_p99", "prompts")}}}

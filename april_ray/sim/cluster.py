@@ -149,7 +149,8 @@ class Schedule:
     def _counters(e: SimEngine) -> dict[str, float]:
         return {"busy_s": e.busy_s, "row_seconds": e.row_seconds, "num_prefill": e.num_prefill,
                 "num_generated": e.num_generated, "num_retracted": e.num_retracted, "num_reused": e.num_reused,
-                "num_steps": e.num_steps, "row_steps": e.row_steps}
+                "num_steps": e.num_steps, "row_steps": e.row_steps, "context_steps": e.context_steps,
+                "attended_steps": e.attended_steps}
 
     def _engine_totals(self) -> dict[str, float]:
         """Engine counters summed over engines, over the measured steps."""
@@ -182,6 +183,7 @@ class Schedule:
             "retractions": c["num_retracted"],
             "prefill_per_decoded": c["num_prefill"] / max(1, c["num_generated"]),
             "reused_kv_per_decoded": c["num_reused"] / max(1, c["num_generated"]),
+            "attended_per_context": c["attended_steps"] / max(1, c["context_steps"] * block),
             "store_groups_mean": sum(r.groups_stored for r in rs) / len(rs),
             "control_plane_cpu_s_per_step": sum(r.control_plane_cpu_s for r in rs) / len(rs),
             "engine_side_cpu_s_per_step": sum(r.process_cpu_s - r.control_plane_cpu_s for r in rs) / len(rs),

@@ -18,6 +18,10 @@ a full cache), so the engine plans a whole span of steps at once and sets one ti
 event inside a span cuts it at the end of the step in progress. The cost of a span is `StepCost`'s. With
 the loop's `stall` on, the span also lasts as long as the loop's clocked work held the thread meanwhile.
 
+Padded attention (a cost with `per_attended`, the CPU engine's): each row attends over the longest
+context of its span class (`engine.model_runner.span_bucket`), as the CPU engine's decode does once its
+rows are grouped by class; a span starts from that padded total and adds a token per row per step.
+
 Units are the workload's blocks of tokens: one step here is `block` decode steps of the real engine.
 """
 from __future__ import annotations
@@ -56,6 +60,8 @@ class _Span:
     prefill_s: float
     n: int
     stall0: float
+    attended: float = 0.0
+    """Padded attention span of the rows at the first step, in tokens (0 unless the cost has that term)."""
     decode_s: float = 0.0
     """The n decode steps' time (without prefill and stalls)."""
     poked_at: float = -1.0
@@ -90,9 +96,15 @@ class SimEngine:
         self.num_steps = self.row_steps = 0
         self.context_steps = 0
         """Context per running row summed over rows and steps (over `row_steps`: the mean context)."""
+        self.attended_steps = 0.0
+        """Padded attention span summed over steps, in tokens (with a `per_attended` cost)."""
         self.peak_context = 0
         self.occupancy: list[tuple[float, int]] = []
         self._seq = 0
+        self.span_class = None
+        if cost.per_attended:
+            from april_ray.engine.model_runner import span_bucket
+            self.span_class = span_bucket
 
     # -- the Engine protocol ----------------------------------------------------------------------------
     def generate(self, request: GenerateRequest) -> "asyncio.Future[GenerateOutput]":
@@ -172,7 +184,8 @@ class SimEngine:
             return
         s.poked_at = now
         elapsed = now - s.t_start - s.prefill_s - (self.loop.stall_s - s.stall0 if self.loop.stall else 0)
-        done = self.cost.steps_within(s.rows, s.context * self.block, s.n * self.block, max(0.0, elapsed)) // self.block
+        done = self.cost.steps_within(s.rows, s.context * self.block, s.n * self.block, max(0.0, elapsed),
+                                      s.attended) // self.block
         if done + 1 < s.n:
             self._set_steps(s, done + 1)
             self.timer.cancel()
@@ -180,7 +193,17 @@ class SimEngine:
 
     def _set_steps(self, s: _Span, n: int) -> None:
         s.n = n
-        s.decode_s = self.cost.decode_span(s.rows, s.context * self.block, n * self.block)
+        s.decode_s = self.cost.decode_span(s.rows, s.context * self.block, n * self.block, s.attended)
+
+    def _attended(self) -> float:
+        """The running rows' padded attention span, in tokens: per span class, its rows x its longest
+        context (a row at position p attends over p + 1 tokens: its context)."""
+        longest: dict[int, list[int]] = {}
+        for r in self.running.values():
+            t = (r.input_len + self.steps - r.start) * self.block
+            c = longest.setdefault(self.span_class(t - 1), [0, 0])
+            c[0], c[1] = c[0] + 1, max(c[1], t)
+        return float(sum(n * t for n, t in longest.values()))
 
     def _span_end(self, s: _Span) -> float:
         end = s.t_start + s.prefill_s + s.decode_s
@@ -214,6 +237,8 @@ class SimEngine:
         self.num_steps += s.n
         self.row_steps += s.rows * s.n
         self.context_steps += s.context * s.n + s.rows * s.n * (s.n - 1) // 2
+        if s.attended:
+            self.attended_steps += s.attended * s.n + s.rows * self.block * s.n * (s.n - 1) / 2
         self.occupancy.append((end, s.rows))
         self.t_free = end
 
@@ -310,7 +335,8 @@ class SimEngine:
         to_finish = self.finish_heap[0][0] - self.steps
         n = max(1, min(to_finish, room))
         start = self.t_free if continuing else max(self.t_free, self.loop.time())
-        self.span = _Span(start, rows, self.context, self._prefill_s, n, self.loop.stall_s)
+        self.span = _Span(start, rows, self.context, self._prefill_s, n, self.loop.stall_s,
+                          self._attended() if self.span_class else 0.0)
         self._set_steps(self.span, n)
         self.timer = self.loop.call_at(self._span_end(self.span), self._boundary)
 

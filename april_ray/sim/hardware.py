@@ -124,12 +124,16 @@ class StepCost:
     per_aborted: float = 0.0
     """Engine time per aborted running request (the CPU engine parks its cache; in the calibration also
     the step boundary's other CPU per aborted request). 0 on GPU."""
+    per_attended: float = 0.0
+    """Per token of padded attention span (the CPU engine: each row attends over the longest context of
+    its span class, `attended`; paged attention on GPU pads nothing: 0)."""
 
-    def step(self, rows: int, context: float) -> float:
-        return self.t0 + max(a + b * rows + c * context for a, b, c in self.terms)
+    def step(self, rows: int, context: float, attended: float = 0.0) -> float:
+        return self.t0 + max(a + b * rows + c * context for a, b, c in self.terms) + self.per_attended * attended
 
-    def decode_span(self, rows: int, context: float, n: int) -> float:
-        """Exact time of n decode steps with the same rows, each adding `rows` tokens of context."""
+    def decode_span(self, rows: int, context: float, n: int, attended: float = 0.0) -> float:
+        """Exact time of n decode steps with the same rows, each adding `rows` tokens of context (and of
+        padded span, from `attended` at the first step)."""
         if n <= 0:
             return 0.0
         lines = [(a + b * rows + c * context, c * rows) for a, b, c in self.terms]  # step j: u + v * j
@@ -147,14 +151,16 @@ class StepCost:
                 u, v = max(lines, key=lambda l: l[0] + l[1] * mid)
                 k = j1 - j0
                 total += k * u + v * (j0 * k + k * (k - 1) / 2)
+        if self.per_attended:
+            total += self.per_attended * (attended * n + rows * n * (n - 1) / 2)
         return total
 
-    def steps_within(self, rows: int, context: float, n: int, seconds: float) -> int:
+    def steps_within(self, rows: int, context: float, n: int, seconds: float, attended: float = 0.0) -> int:
         """How many of those n steps end within `seconds` (the span's time is increasing in steps)."""
         lo, hi = 0, n
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.decode_span(rows, context, mid) <= seconds:
+            if self.decode_span(rows, context, mid, attended) <= seconds:
                 lo = mid
             else:
                 hi = mid - 1

@@ -23,6 +23,11 @@ tokens/s) and in CPU time (`cpu_utilization`: the same with this process's CPU s
 seconds). Everything here runs on one thread, so on a quiet core the two agree; on a shared machine the
 wall clock also counts the time other processes held the core, which falls unevenly on the modes and the
 probes, and only the CPU figure compares with the simulator's costs (fitted on CPU time).
+
+Every engine step (the modes' and the probes') is recorded as `jobs.simulate --calibrate` fits step
+costs (april_ray/sim/calibrate.py `StepRecorder`, its thread's CPU time and the batch it ran): the JSON's
+`step_costs` holds the fit, each feature summed per mode, and the CPU outside steps, so the simulator
+predicts this run with costs from the same minutes of the machine.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ from april_ray.rollout.local import LocalPool, LocalProxy
 from april_ray.rollout.monitor import CompletionMonitor
 from april_ray.rollout.prompt_source import PromptSource, first_prompts
 from april_ray.rollout.store import PartialRolloutStore
+from april_ray.sim.calibrate import FEATURES, StepRecorder, fit_costs, outside_steps
 from april_ray.task.data import read_examples
 from driver.setup import JobInputs, prepare
 
@@ -71,6 +77,10 @@ class LocalMode:
         self.log = StepLog(r.n_samples_per_prompt)
         self.cpu_s = 0.0
         """The process's CPU over the measured steps: everything (engine, worker, monitor) is on this thread."""
+        self.recorder = StepRecorder(self.worker.engine.engine)
+        """Every engine step's features and CPU time, warm-up included (the simulator's step costs)."""
+        self.process_s = 0.0
+        """The process's CPU over all its steps, warm-up included (what the recorder's steps add up to)."""
         self.sample_lengths: dict[str, int] = {}
         """Response length of every sample returned, warm-up included (the simulator's calibration replays
         them: this mode's own draws, which set sync's pace through each round's longest sample)."""
@@ -80,6 +90,8 @@ class LocalMode:
         t0, c0 = time.perf_counter(), time.process_time()
         result = await self.rollout.step(step, step)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        self.recorder.boundary()
+        self.process_s += dc
         after = self.worker.stats(drain=True)
         for meta in (m for group in result.metas for m in group):
             self.sample_lengths[meta.sample_id] = meta.response_len
@@ -98,6 +110,13 @@ class LocalMode:
                 "cpu_s": self.cpu_s, "cpu_effective_tok_s": cpu_tok_s, "cpu_utilization": cpu_tok_s / cpu_ceiling,
                 "sample_lengths": self.sample_lengths}
 
+    def between_steps(self) -> dict:
+        """The process's CPU outside engine steps (worker, monitor, reward threads) and the engine steps and
+        requests it is spread over (`april_ray.sim.calibrate.between_costs`)."""
+        rec = self.recorder
+        return {"between_s": outside_steps(rec, self.process_s) - rec.boundary_s, "between_thread_s": rec.between_s,
+                "steps": len(rec.rows), "requests": sum(row[5] for row in rec.rows)}
+
 
 async def run(cfg: Config, args, job: JobInputs) -> dict:
     model_path = job.model_path
@@ -115,11 +134,15 @@ async def run(cfg: Config, args, job: JobInputs) -> dict:
                                                             over_sampling_batch_size=n_prime),
                                model_path, train, tok.encode))
     prober = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
-    ceilings, cpu_ceilings = [], []
+    probe_recorder = StepRecorder(prober.engine.engine)
+    ceilings, cpu_ceilings, probe_process = [], [], [0.0]
 
     async def probe() -> None:
+        c0 = time.process_time()
         tokens, seconds, cpu = await prober.throughput_probe(probe_prompts, cfg.engine.max_num_seqs,
                                                              args.probe_seconds)
+        probe_process[0] += time.process_time() - c0
+        probe_recorder.boundary()
         ceilings.append(tokens / seconds)
         cpu_ceilings.append(tokens / cpu)
 
@@ -139,11 +162,29 @@ async def run(cfg: Config, args, job: JobInputs) -> dict:
         res["speedup"] = res["effective_tok_s"] / sync
     return {"saturated_tok_s": ceiling, "saturated_runs": ceilings, "saturated_cpu_tok_s": cpu_ceiling,
             "saturated_cpu_runs": cpu_ceilings, **results,
+            "step_costs": step_costs(modes, probe_recorder, probe_process[0]),
             "config": {"rollout_batch_size": n, "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
                        "max_num_seqs": cfg.engine.max_num_seqs, "max_response_len": cfg.sampling.max_response_len,
                        "park_slots": cfg.engine.park_slots, "reuse_stale_kv": cfg.engine.reuse_stale_kv,
                        "max_staleness": cfg.staleness.max_versions, "factors": factors,
                        "probe_seconds": args.probe_seconds, "probe_every": args.probe_every}}
+
+
+def step_costs(modes: list[LocalMode], probe: StepRecorder, probe_process_s: float) -> dict:
+    """The cost fit of every engine step of this run (the modes' and the probes'), each feature summed per
+    mode, and the CPU between steps: the step costs `jobs.simulate --calibrate` simulates this run with, from the same minutes of
+    the machine as the utilizations they are compared with (april_ray/sim/calibrate.py)."""
+    recorded = {m.name: m.recorder.rows for m in modes} | {"probe": probe.rows}
+    rows = [row for steps in recorded.values() for row in steps]
+    by_mode = {m.name: m.between_steps() for m in modes}
+    by_mode["probe"] = {"between_s": outside_steps(probe, probe_process_s), "between_thread_s": probe.between_s,
+                        "steps": len(probe.rows), "requests": sum(row[5] for row in probe.rows)}
+    aborted = sum(m.recorder.aborted for m in modes)
+    return {"fit": fit_costs(rows), "features": FEATURES + ("cpu_s",),
+            "between_steps": {"boundary_per_aborted": sum(m.recorder.boundary_s for m in modes) / max(1, aborted),
+                              "by_mode": by_mode},
+            "sums": {name: dict(zip(FEATURES + ("cpu_s",), map(float, np.sum(steps, axis=0))))
+                     for name, steps in recorded.items() if steps}}
 
 
 def main() -> None:
