@@ -45,3 +45,12 @@ def test_bench_schedule_runs_sync_and_april_in_process(tmp_path, random_model_di
         assert all(0 < n <= 24 for n in res["sample_lengths"].values())
     assert r["sync"]["speedup"] == 1 and r["sync"]["off_policy_token_ratio"] == 0
     assert r["april_2"]["speedup"] == pytest.approx(r["april_2"]["effective_tok_s"] / r["sync"]["effective_tok_s"])
+    # every engine step recorded for the simulator's calibration: the modes' and the probes'
+    costs = r["step_costs"]
+    assert set(costs["sums"]) == {"sync", "april_1", "april_2", "probe"}
+    assert costs["fit"]["steps"] == sum(round(s["one"]) for s in costs["sums"].values())
+    assert all(costs["fit"][k] >= 0 for k in ("a", "b", "c", "prefill_per_token", "per_attended"))
+    for mode in ("sync", "april_1", "april_2"):
+        sums, between = costs["sums"][mode], costs["between_steps"]["by_mode"][mode]
+        assert sums["rows"] >= r[mode]["engine_decoded_tokens"] and sums["attended"] >= sums["context"] > 0
+        assert between["steps"] == round(sums["one"]) and between["between_s"] > 0
