@@ -334,6 +334,10 @@ def test_calibrate_compares_the_simulation_with_both_measurements(tmp_path, rand
         assert r["bench_probe_error"] == pytest.approx(r["simulated_vs_bench_probe"] - r["measured_utilization"])
         assert r["replayed_error"] == pytest.approx(r["replayed_vs_bench_probe"] - r["measured_utilization"])
         assert r["simulated_vs_bench_probe"] < r["simulated_utilization"]  # a restarted probe runs short contexts
+        # the committed bench run carries its own step costs; the recording's are the cross-check
+        assert r["recording_costs_error"] == pytest.approx(r["recording_costs_vs_bench_probe"] - r["measured_utilization"])
+        assert r["measured_attended_per_context"] >= 1 and r["simulated_attended_per_context"] >= 1
+    assert result["setup"]["costs_from"] == "the bench run's own engine steps"
     assert {"within_0.05", "within_0.05_cpu", "within_0.05_in_situ", "within_0.05_bench_probe",
             "within_0.05_replayed"} <= result.keys()
     assert result["ceiling_tok_s"]["simulated_bench_probe"] > result["ceiling_tok_s"]["simulated"]
