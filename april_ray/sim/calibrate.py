@@ -394,8 +394,9 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
     ceiling = study.ceiling_of(probe_setting, cfg.rollout.n_samples_per_prompt)
     bare_ceiling = study.ceiling_of(bare, cfg.rollout.n_samples_per_prompt)
     probe_rate, probe_context = bench_probe(cfg, probe_setting, measured)
-    rec_probe_rate, _ = bench_probe(cfg, cpu_setting(cfg, recording, prompt_lens, per_step=rec_between["probe_per_step"]),
-                                    measured)
+    if recording is not costs:
+        rec_probe_rate, _ = bench_probe(cfg, cpu_setting(cfg, recording, prompt_lens,
+                                                         per_step=rec_between["probe_per_step"]), measured)
     modes = [("sync", None)] + [(f"april_{f:g}", f) for f in bench["factors"]]
     rows = []
     for name, f in modes:

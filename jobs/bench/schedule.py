@@ -27,7 +27,8 @@ probes, and only the CPU figure compares with the simulator's costs (fitted on C
 Every engine step (the modes' and the probes') is recorded as `jobs.simulate --calibrate` fits step
 costs (april_ray/sim/calibrate.py `StepRecorder`, its thread's CPU time and the batch it ran): the JSON's
 `step_costs` holds the fit, each feature summed per mode, and the CPU outside steps, so the simulator
-predicts this run with costs from the same minutes of the machine.
+predicts this run with costs from the same minutes of the machine. The recording's own CPU, outside the
+steps it times, falls on every mode and on the probe alike.
 """
 from __future__ import annotations
 
