@@ -13,13 +13,15 @@ the accelerator's roofline and whose responses end at lengths drawn from `simula
 replace the configured backend (`engine.backend` and the server's settings are not used, except
 `engine.mem_fraction`, the share of memory for weights and KV cache).
 
-`--measure-cpu` times the real CPU engine (step cost by rows and context, response lengths of the tiny
-model); `--calibrate` runs the simulator with those costs and compares it with `jobs.bench.schedule`'s
-measured utilizations (`--measured`, default docs/benchmarks/bench_schedule_calibration.json) and with the
-same schedules' utilizations measured in the costs' own run, each in wall-clock and in CPU time (the costs
-are CPU time; on a shared machine the wall clock also counts what other processes took of the core). The
-simulated utilizations are given over the steady-state ceiling and over the bench's own probe as it runs
-it, and, when the bench's JSON records its samples' lengths, with those lengths replayed.
+`--measure-cpu` runs `jobs.bench.schedule` once (`--record-steps` rounds, default 24) for the CPU engine's step costs, times a grid
+of uniform batches, and records the tiny model's response lengths. `--calibrate` runs the simulator with
+those lengths and compares it with `jobs.bench.schedule`'s measured utilizations (`--measured`, default
+docs/benchmarks/bench_schedule_calibration.json), with the step costs of that bench run itself (those of
+`--cpu-costs` when it has none, and as a cross-check), and with the same schedules' utilizations measured
+in `--cpu-costs`' own run ("in situ"), each in wall-clock and in CPU time (the costs are CPU time; on a
+shared machine the wall clock also counts what other processes took of the core). The simulated
+utilizations are given over the steady-state ceiling and over the bench's own probe as it runs it, and,
+when the bench's JSON records its samples' lengths, with those lengths replayed.
 """
 from __future__ import annotations
 
@@ -44,10 +46,12 @@ def parse() -> tuple:
     parser.add_argument("--json", default=None, help="where to write the results")
     parser.add_argument("--plot", default=None, help="PNG: utilization vs N'/N per GPU count")
     parser.add_argument("--measure-cpu", default=None, metavar="PATH", help="measure the CPU engine, write PATH")
+    parser.add_argument("--record-steps", type=int, default=24, help="--measure-cpu: the bench's rounds")
+    parser.add_argument("--probe-seconds", type=float, default=2.0, help="--measure-cpu: the bench's probe window")
     parser.add_argument("--calibrate", action="store_true", help="simulate the CPU engine vs bench_schedule")
     parser.add_argument("--cpu-costs", default=str(DOCS / "simulate_cpu.json"), help="--measure-cpu's output")
     parser.add_argument("--measured", default=str(DOCS / "bench_schedule_calibration.json"),
-                        help="bench_schedule's JSON, measured right before --cpu-costs' file")
+                        help="jobs.bench.schedule's JSON: the utilizations to predict (and their step costs)")
     args = parser.parse_intermixed_args()
     sim_items = [o for o in args.overrides if o.startswith("simulate.")]
     rest = [o for o in args.overrides if not o.startswith("simulate.")]
@@ -159,13 +163,21 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def public_schedules(schedules: dict) -> dict:
+    """A bench result without its per-sample lengths and its step costs (kept once, at the top)."""
+    return {k: ({kk: vv for kk, vv in v.items() if kk != "sample_lengths"} if isinstance(v, dict) else v)
+            for k, v in schedules.items() if k != "step_costs"}
+
+
 def main() -> None:
     cfg, sim, args = parse()
     t0, c0 = time.time(), time.process_time()
     if args.measure_cpu:
         from april_ray.sim.calibrate import measure
+        from jobs.bench.schedule import record
 
-        write_result(args.measure_cpu, measure(cfg))
+        schedules = record(cfg, steps=args.record_steps, probe_seconds=args.probe_seconds)
+        write_result(args.measure_cpu, measure(cfg, schedules) | {"schedules": public_schedules(schedules)})
         return
     if args.calibrate:
         from april_ray.sim.calibrate import calibrate

@@ -1,11 +1,12 @@
 """The simulator against measurement: the CPU engine's step costs and the tiny task's response lengths.
 
-`measure_cpu_engine` records every step of the real CPU engine (`LLMEngine.step`, the tiny model, one torch
-thread) while it serves the real schedules in process (the synchronous baseline and APRIL at N'/N = 1.5
-and 3, as `jobs/bench/schedule.py` wires them, interleaved step by step with a saturated probe after
-every round, so the machine's drift falls on all of them alike): the step's running rows, the context
-its decoding rows hold, the tokens it prefilled, and its CPU time (the thread's: a shared machine's load
-would swamp wall-clock times; and the process's other threads do not belong to the step). It fits
+The step costs come from `jobs/bench/schedule.py`'s runs: `StepRecorder` records every step of the real
+CPU engine (`LLMEngine.step`, the tiny model, one torch thread) while it serves the real schedules in
+process (the synchronous baseline and APRIL at N'/N = 1.5 and 3, interleaved step by step with a
+saturated probe after every round, so the machine's drift falls on all of them alike): the step's
+running rows, the context its decoding rows hold, the tokens it prefilled, and its CPU time (the
+thread's: a shared machine's load would swamp wall-clock times; and the process's other threads do not
+belong to the step). `fit_costs` fits
 
     step = a + b * rows + c * context + per_attended * attended
            + prefill_per_token * prefilled + prefill_per_step * (any prefill) + ...
@@ -19,32 +20,25 @@ counterpart there, which has no row layout: a step that regroups its rows (about
 left out). A uniform grid of batches (every row the same context) is timed too, as a cross-check of the
 decode curve; it is not what the simulation uses (`grid_fit` in the output).
 
-`jobs.bench.schedule` records the same features for every engine step of its own run, and its fit is
-what `--calibrate` simulates that run with when its JSON has it (`step_costs`): the costs then come from
-the minutes the utilizations were measured in (this machine's speed drifts by 10% within minutes), and
-this recording's costs are a cross-check.
-
-It also measures, in the schedules, the process's CPU outside engine steps per request (front end,
-engine worker, monitor, reward threads: in the bench they share the engine's one core) and at the step
-boundary per aborted request (the abort parks each cache; the store), and records the response lengths
-the model really produces (temperature and budget of the config) for the first prompts of the prompt
-source's order, each prompt's samples together. `cpu_setting` is then one simulated engine with those
-costs and lengths, as the bench runs one real engine: the bench's measured utilizations are what the
-simulation must predict. The recording also yields the schedules' utilizations in the same process and
-minutes as the costs ("in situ": each mode's effective tokens/s after the warm-up over the probes'
-saturated tokens/s); `--calibrate` compares with both.
+The bench also measures the process's CPU outside engine steps per request (front end, engine worker,
+monitor, reward threads: they share the engine's one core) and at the step boundary per aborted request
+(the abort parks each cache; the store). `--calibrate` simulates a bench run with the costs of that run
+itself (`step_costs` in its JSON): they come from the minutes its utilizations were measured in (this
+machine's speed drifts by 10% within minutes). `--measure-cpu` (`measure`) runs the bench once more for
+costs of its own (a cross-check, and the costs of a bench JSON that has none; its utilizations are the
+"in situ" comparison), times the grid, and records the response lengths the model really produces
+(temperature and budget of the config) for the first prompts of the prompt source's order, each
+prompt's samples together. `cpu_setting` is then one simulated engine with those costs and lengths, as
+the bench runs one real engine: the bench's measured utilizations are what the simulation must predict.
 """
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import time
 
 import numpy as np
 
 from april_ray.config import Config
 from april_ray.sim.cluster import Setting
-from april_ray.sim.config import SimulateConfig
 from april_ray.sim.hardware import StepCost
 from april_ray.sim.workload import LengthModel, Workload
 
@@ -163,111 +157,6 @@ def fit_costs(rows: list[tuple]) -> dict:
         "steps": len(rows), "rel_error_median": float(np.median(rel)), "rel_error_p90": float(np.percentile(rel, 90))}
 
 
-class _RecordedMode:
-    """One schedule of the recording, with its own engine, step recorder, source, store and monitor."""
-
-    def __init__(self, cfg: Config, model_path: str, train, factor: float | None, n: int):
-        from april_ray.rollout.engine_worker import build_worker
-        from april_ray.rollout.local import LocalPool, LocalProxy
-        from april_ray.rollout.monitor import CompletionMonitor
-        from april_ray.rollout.prompt_source import PromptSource
-        from april_ray.rollout.store import PartialRolloutStore
-
-        self.name = "sync" if factor is None else f"april_{factor:g}"
-        self.factor = factor
-        self.worker = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
-        self.recorder = StepRecorder(self.worker.engine.engine)
-        r = dataclasses.replace(cfg.rollout, rollout_batch_size=n, partial_rollout=factor is not None,
-                                over_sampling_batch_size=n if factor is None else round(n * factor))
-        source = PromptSource(train, self.worker.encode, r.n_samples_per_prompt, cfg.sampling.max_response_len,
-                              cfg.task.seed)
-        self.store = PartialRolloutStore(cfg.staleness.max_versions, cfg.staleness.policy)
-        self.monitor = CompletionMonitor(r, LocalPool([self.worker], [cfg.engine.max_num_seqs]),
-                                         LocalProxy(source), LocalProxy(self.store))
-        self.trained = self.wall = self.cpu = self.process_s = 0.0
-
-    async def step(self, step: int, measured: bool) -> None:
-        self.worker.update_weights(None, step)
-        c0 = time.process_time()
-        result = await self.monitor.step(step, step)
-        self.recorder.boundary()
-        dc = time.process_time() - c0
-        self.process_s += dc
-        if measured:
-            self.trained += result.metrics["rollout/trained_tokens"]
-            self.wall += result.metrics["rollout/wall_s"]
-            self.cpu += dc
-
-    def summary(self, warmup: int, steps: int) -> dict:
-        rec = self.recorder
-        return {"between_s": outside_steps(rec, self.process_s) - rec.boundary_s, "between_thread_s": rec.between_s,
-                "steps": len(rec.rows), "requests": sum(row[5] for row in rec.rows),
-                "effective_tok_s": self.trained / self.wall, "cpu_effective_tok_s": self.trained / self.cpu,
-                "measured_steps": steps - warmup}
-
-
-async def _record_schedules(cfg: Config, model_path: str, train, probe_prompts, steps: int,
-                            probe_s: float = 1.0) -> tuple[list, dict]:
-    """The three schedules interleaved step by step, as `jobs/bench/schedule.py` runs them, and a ceiling
-    probe of `probe_s` after every round: the machine's speed drifts within minutes, and run one after the
-    other the modes and the probe would each see a different machine (in one recording, sync came out 0.09
-    below the interleaved bench's)."""
-    from april_ray.engine.probe import saturated_throughput
-    from april_ray.rollout.engine_worker import build_worker
-
-    n = cfg.rollout.rollout_batch_size // cfg.engine.num_engines
-    warmup = SimulateConfig.warmup_steps  # the simulation's default: APRIL's store fills in the first steps
-    modes = [_RecordedMode(cfg, model_path, train, f, n) for f in (None, 1.5, 3.0)]
-    prober = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
-    probe = StepRecorder(prober.engine.engine)
-    tokens = seconds = probe_cpu = probe_process = 0.0
-    for step in range(steps):
-        for mode in modes:
-            await mode.step(step, measured=step >= warmup)
-        p0 = time.process_time()
-        t, dt, _, cpu = await saturated_throughput(prober.engine, probe_prompts, prober.sampling,
-                                                   cfg.engine.max_num_seqs, probe_s)
-        probe_process += time.process_time() - p0
-        probe.boundary()  # the modes' time until the next probe is not the probe's
-        tokens, seconds, probe_cpu = tokens + t, seconds + dt, probe_cpu + cpu
-    by_mode = {m.name: m.summary(warmup, steps) for m in modes}
-    by_mode["probe"] = {"between_s": outside_steps(probe, probe_process), "between_thread_s": probe.between_s,
-                        "steps": len(probe.rows), "requests": sum(row[5] for row in probe.rows),
-                        "effective_tok_s": tokens / seconds, "cpu_effective_tok_s": tokens / probe_cpu}
-    for m in by_mode.values():  # the schedules' utilizations in this same process: the in-situ measurement
-        m["utilization"] = m["effective_tok_s"] / by_mode["probe"]["effective_tok_s"]
-        m["cpu_utilization"] = m["cpu_effective_tok_s"] / by_mode["probe"]["cpu_effective_tok_s"]
-    rows = [row for m in modes for row in m.recorder.rows] + probe.rows
-    names = [str(m.factor) for m in modes for _ in m.recorder.rows] + ["probe"] * len(probe.rows)
-    aborted = sum(m.recorder.aborted for m in modes)
-    boundary = sum(m.recorder.boundary_s for m in modes)
-    return rows, names, {"boundary_per_aborted": boundary / max(1, aborted), "by_mode": by_mode}
-
-
-def measure_cpu_engine(cfg: Config, model_path: str, train, steps: int = 24, num_prompts: int = 320) -> dict:
-    import torch
-
-    from april_ray.model import load_policy
-    from april_ray.rollout.prompt_source import first_prompts
-
-    torch.set_num_threads(cfg.engine.num_threads)
-    model, tok = load_policy(model_path)
-    t0 = time.perf_counter()
-    probe_prompts = first_prompts(train, tok.encode, cfg.task.seed, 512)
-    rows, modes, between = asyncio.run(_record_schedules(cfg, model_path, train, probe_prompts, steps))
-    record_s = time.perf_counter() - t0
-    grid = _time_grid(model, cfg, len(tok))
-    by_row = measure_lengths(model, tok, cfg, train, num_prompts)
-    lengths = [x for v in by_row.values() for x in v]
-    return {"fit": fit_costs(rows), "grid_fit": fit_grid(grid), "grid": grid, "between_steps": between,
-            "features": FEATURES + ("cpu_s",), "steps": [[round(x, 7) for x in r] for r in rows], "step_modes": modes,
-            "by_row": {str(k): v for k, v in by_row.items()},
-            "setup": {"threads": cfg.engine.num_threads, "record_s": record_s, "schedule_steps": steps,
-                      "prompts": num_prompts, "temperature": cfg.sampling.temperature,
-                      "max_response_len": cfg.sampling.max_response_len,
-                      "response_len_mean": float(np.mean(lengths)), "response_len_p99": float(np.percentile(lengths, 99))}}
-
-
 def measure_lengths(model, tok, cfg: Config, train, num_prompts: int) -> dict[int, list[int]]:
     """Response lengths of `n_samples_per_prompt` samples for each of the first prompts in the source's order."""
     from april_ray.engine.cpu_engine import LLMEngine
@@ -330,14 +219,30 @@ def cpu_setting(cfg: Config, measured: dict, prompt_lens: list[int], per_request
                    e.park_slots, stale, cfg.task.seed)
 
 
-def measure(cfg: Config) -> dict:
-    """`--measure-cpu`: the CPU engine's costs and the tiny model's response lengths (about a minute)."""
-    from april_ray.model import ensure_model
+def measure(cfg: Config, schedules: dict, num_prompts: int = 320) -> dict:
+    """`--measure-cpu`: the step costs of `schedules` (a `jobs.bench.schedule` result), the uniform grid,
+    and the tiny model's response lengths."""
+    import torch
+
+    from april_ray.model import ensure_model, load_policy
     from april_ray.task.data import dataset_paths, read_examples
 
     train_path, _ = dataset_paths(cfg.task, cfg.model.cache_dir)
     train = read_examples(train_path, cfg.task.prompt_key, cfg.task.answer_key)
-    return measure_cpu_engine(cfg, str(ensure_model(cfg)), train)
+    torch.set_num_threads(cfg.engine.num_threads)
+    model, tok = load_policy(str(ensure_model(cfg)))
+    grid = _time_grid(model, cfg, len(tok))
+    by_row = measure_lengths(model, tok, cfg, train, num_prompts)
+    lengths = [x for v in by_row.values() for x in v]
+    costs = schedules["step_costs"]
+    modes = [m for m in costs["sums"] if m != "probe"]
+    return {"fit": costs["fit"], "grid_fit": fit_grid(grid), "grid": grid, "between_steps": costs["between_steps"],
+            "in_situ": {m: {k: schedules[m][k] for k in ("utilization", "cpu_utilization")} for m in modes},
+            "by_row": {str(k): v for k, v in by_row.items()},
+            "setup": {"threads": cfg.engine.num_threads, "schedule_steps": schedules["sync"]["steps"],
+                      "prompts": num_prompts, "temperature": cfg.sampling.temperature,
+                      "max_response_len": cfg.sampling.max_response_len,
+                      "response_len_mean": float(np.mean(lengths)), "response_len_p99": float(np.percentile(lengths, 99))}}
 
 
 def attended_per_context(measured: dict, mode: str) -> float | None:
@@ -378,7 +283,7 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
     train_path, _ = dataset_paths(cfg.task, cfg.model.cache_dir)
     prompt_lens = [len(tok.encode(ex.prompt)) for ex in read_examples(train_path, cfg.task.prompt_key,
                                                                        cfg.task.answer_key)]
-    in_situ = costs["between_steps"]["by_mode"]  # the same schedules' utilizations, measured with the costs
+    in_situ = costs["in_situ"]  # the same schedules' utilizations, measured with the costs
     recording = costs
     if measured.get("step_costs"):  # the bench's own engine steps: costs from the minutes it measured in
         costs = costs | {"fit": measured["step_costs"]["fit"], "between_steps": measured["step_costs"]["between_steps"]}
@@ -410,7 +315,7 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
                                  between["per_step"], by_sample=m["sample_lengths"])
             replayed = study.run_schedule(replay, rollout, steps, warmup, "none", ceiling)["effective_tok_s"] / probe_rate
         with_recording = None
-        if recording is not costs:  # cross-check: the same with the costs of `--measure-cpu`'s own recording
+        if recording is not costs:  # cross-check: the same with the costs of `--measure-cpu`'s own bench run
             with_recording = study.run_schedule(rec_setting, rollout, steps, warmup, "none", ceiling)["effective_tok_s"] \
                 / rec_probe_rate
         here = in_situ.get(name, {}).get("utilization")

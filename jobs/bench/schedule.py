@@ -32,6 +32,7 @@ steps it times, falls on every mode and on the probe alike.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 from pathlib import Path
@@ -186,6 +187,15 @@ def step_costs(modes: list[LocalMode], probe: StepRecorder, probe_process_s: flo
                               "by_mode": by_mode},
             "sums": {name: dict(zip(FEATURES + ("cpu_s",), map(float, np.sum(steps, axis=0))))
                      for name, steps in recorded.items() if steps}}
+
+
+def record(cfg: Config, steps: int = 24, warmup_steps: int = 2, factors: str = "1.5,3", probe_every: int = 1,
+           probe_seconds: float = 2.0) -> dict:
+    """One run of this bench with these settings (`jobs.simulate --measure-cpu` takes its step costs)."""
+    args = argparse.Namespace(steps=steps, warmup_steps=warmup_steps, factors=factors, probe_every=probe_every,
+                              probe_seconds=probe_seconds)
+    per_engine(cfg, None)
+    return asyncio.run(run(cfg, args, prepare(cfg)))
 
 
 def main() -> None:
