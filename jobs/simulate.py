@@ -13,15 +13,15 @@ the accelerator's roofline and whose responses end at lengths drawn from `simula
 replace the configured backend (`engine.backend` and the server's settings are not used, except
 `engine.mem_fraction`, the share of memory for weights and KV cache).
 
-`--measure-cpu` runs `jobs.bench.schedule` once (`--record-steps` rounds, default 24) for the CPU engine's step costs, times a grid
-of uniform batches, and records the tiny model's response lengths. `--calibrate` runs the simulator with
-those lengths and compares it with `jobs.bench.schedule`'s measured utilizations (`--measured`, default
-docs/benchmarks/bench_schedule_calibration.json), with the step costs of that bench run itself (those of
-`--cpu-costs` when it has none, and as a cross-check), and with the same schedules' utilizations measured
-in `--cpu-costs`' own run ("in situ"), each in wall-clock and in CPU time (the costs are CPU time; on a
-shared machine the wall clock also counts what other processes took of the core). The simulated
-utilizations are given over the steady-state ceiling and over the bench's own probe as it runs it, and,
-when the bench's JSON records its samples' lengths, with those lengths replayed.
+`--measure-cpu` runs `jobs.bench.schedule` once (`--record-steps` rounds, default 24) for the CPU
+engine's step costs, times a grid of uniform batches, and records the tiny model's response lengths.
+`--calibrate` runs the simulator with those lengths and compares it with `jobs.bench.schedule`'s measured
+utilizations (`--measured`, default docs/benchmarks/bench_schedule_calibration.json), with the step costs
+of that bench run itself (those of `--cpu-costs` when it has none, and as a cross-check), and with the same
+schedules' utilizations measured in `--cpu-costs`' own run ("in situ"), each in wall-clock and in CPU time
+(the costs are CPU time; on a shared machine the wall clock also counts what other processes took of the
+core). The simulated utilizations are given over the steady-state ceiling and over the bench's own probe
+as it runs it, and, when the bench's JSON records its samples' lengths, with those lengths replayed.
 """
 from __future__ import annotations
 
