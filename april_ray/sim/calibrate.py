@@ -88,12 +88,17 @@ class StepRecorder:
             self.boundary_s += time.thread_time() - self.last
         self.last = None
 
-
-def outside_steps(recorder: StepRecorder, process_cpu_s: float) -> float:
-    """The process's CPU outside the engine's steps: the engine thread's between them, and every other
-    thread's (the reward runner's, one per finished sample). On the bench's one core all of it holds the
-    engine up; the engine thread's own `between_s` misses the reward threads."""
-    return process_cpu_s - sum(row[-1] for row in recorder.rows)
+    def between(self, process_cpu_s: float, boundary_apart: bool = True) -> dict:
+        """The process's CPU outside the engine's steps (`process_cpu_s` less the steps' own): the engine
+        thread's between them and every other thread's (the reward runner's, one per finished sample; on
+        the bench's one core all of it holds the engine up, and the thread's own `between_s` misses it),
+        less the step boundaries' if `boundary_apart`; and the steps and requests it is spread over
+        (`between_costs`)."""
+        outside = process_cpu_s - sum(row[-1] for row in self.rows)
+        admitted = FEATURES.index("admitted")
+        return {"between_s": outside - self.boundary_s if boundary_apart else outside,
+                "between_thread_s": self.between_s, "steps": len(self.rows),
+                "requests": sum(row[admitted] for row in self.rows)}
 
 
 GRID_ROWS = (1, 4, 16, 32, 64)
@@ -245,6 +250,14 @@ def measure(cfg: Config, schedules: dict, num_prompts: int = 320) -> dict:
                       "response_len_mean": float(np.mean(lengths)), "response_len_p99": float(np.percentile(lengths, 99))}}
 
 
+def bench_settings(cfg: Config, costs: dict, prompt_lens: list[int]) -> tuple[Setting, Setting]:
+    """Under `costs`: the bench's engine (its callers' CPU per request, per step and per aborted request on
+    its thread) and the probe's (the probe's own CPU per step)."""
+    between = between_costs(costs["between_steps"])
+    return (cpu_setting(cfg, costs, prompt_lens, between["per_request"], between["per_aborted"], between["per_step"]),
+            cpu_setting(cfg, costs, prompt_lens, per_step=between["probe_per_step"]))
+
+
 def attended_per_context(measured: dict, mode: str) -> float | None:
     """The padded attention span over the context, over the bench's engine steps of `mode` (if recorded)."""
     sums = measured.get("step_costs", {}).get("sums", {}).get(mode)
@@ -285,23 +298,20 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
                                                                        cfg.task.answer_key)]
     in_situ = costs["in_situ"]  # the same schedules' utilizations, measured with the costs
     recording = costs
-    if measured.get("step_costs"):  # the bench's own engine steps: costs from the minutes it measured in
+    own = bool(measured.get("step_costs"))  # the bench's own engine steps: costs from the minutes it measured in
+    if own:
         costs = costs | {"fit": measured["step_costs"]["fit"], "between_steps": measured["step_costs"]["between_steps"]}
     between = between_costs(costs["between_steps"])
-    setting = cpu_setting(cfg, costs, prompt_lens, between["per_request"], between["per_aborted"], between["per_step"])
+    setting, probe_setting = bench_settings(cfg, costs, prompt_lens)
     bare = cpu_setting(cfg, costs, prompt_lens)
-    rec_between = between_costs(recording["between_steps"])
-    rec_setting = cpu_setting(cfg, recording, prompt_lens, rec_between["per_request"], rec_between["per_aborted"],
-                              rec_between["per_step"])
     bench = measured["config"]
     n, steps, warmup = bench["rollout_batch_size"], measured["sync"]["steps"], sim.warmup_steps
-    probe_setting = cpu_setting(cfg, costs, prompt_lens, per_step=between["probe_per_step"])
     ceiling = study.ceiling_of(probe_setting, cfg.rollout.n_samples_per_prompt)
     bare_ceiling = study.ceiling_of(bare, cfg.rollout.n_samples_per_prompt)
     probe_rate, probe_context = bench_probe(cfg, probe_setting, measured)
-    if recording is not costs:
-        rec_probe_rate, _ = bench_probe(cfg, cpu_setting(cfg, recording, prompt_lens,
-                                                         per_step=rec_between["probe_per_step"]), measured)
+    if own:  # cross-check: the same with the costs of `--measure-cpu`'s own bench run
+        rec_setting, rec_probe_setting = bench_settings(cfg, recording, prompt_lens)
+        rec_probe_rate, _ = bench_probe(cfg, rec_probe_setting, measured)
     modes = [("sync", None)] + [(f"april_{f:g}", f) for f in bench["factors"]]
     rows = []
     for name, f in modes:
@@ -315,7 +325,7 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
                                  between["per_step"], by_sample=m["sample_lengths"])
             replayed = study.run_schedule(replay, rollout, steps, warmup, "none", ceiling)["effective_tok_s"] / probe_rate
         with_recording = None
-        if recording is not costs:  # cross-check: the same with the costs of `--measure-cpu`'s own bench run
+        if own:
             with_recording = study.run_schedule(rec_setting, rollout, steps, warmup, "none", ceiling)["effective_tok_s"] \
                 / rec_probe_rate
         here = in_situ.get(name, {}).get("utilization")
@@ -361,7 +371,7 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
             "within_0.05_cpu": all(r["cpu_error"] is not None and abs(r["cpu_error"]) <= 0.05 for r in rows),
             "within_0.05_in_situ": all(r["in_situ_error"] is not None and abs(r["in_situ_error"]) <= 0.05 for r in rows),
             "setup": {"rollout_batch_size": n, "steps": steps, "warmup_steps": warmup,
-                      "costs_from": "the bench run's own engine steps" if recording is not costs
-                      else "the --measure-cpu recording", "fit": costs["fit"],
+                      "costs_from": "the bench run's own engine steps" if own else "the --measure-cpu recording",
+                      "fit": costs["fit"],
                       "between_steps": between,
                       "lengths": {k: costs["setup"][k] for k in ("response_len_mean", "response_len_p99", "prompts")}}}

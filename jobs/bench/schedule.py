@@ -49,7 +49,7 @@ from april_ray.rollout.local import LocalPool, LocalProxy
 from april_ray.rollout.monitor import CompletionMonitor
 from april_ray.rollout.prompt_source import PromptSource, first_prompts
 from april_ray.rollout.store import PartialRolloutStore
-from april_ray.sim.calibrate import FEATURES, StepRecorder, fit_costs, outside_steps
+from april_ray.sim.calibrate import FEATURES, StepRecorder, fit_costs
 from april_ray.task.data import read_examples
 from driver.setup import JobInputs, prepare
 
@@ -112,13 +112,6 @@ class LocalMode:
                 "cpu_s": self.cpu_s, "cpu_effective_tok_s": cpu_tok_s, "cpu_utilization": cpu_tok_s / cpu_ceiling,
                 "sample_lengths": self.sample_lengths}
 
-    def between_steps(self) -> dict:
-        """The process's CPU outside engine steps (worker, monitor, reward threads) and the engine steps and
-        requests it is spread over (`april_ray.sim.calibrate.between_costs`)."""
-        rec = self.recorder
-        return {"between_s": outside_steps(rec, self.process_s) - rec.boundary_s, "between_thread_s": rec.between_s,
-                "steps": len(rec.rows), "requests": sum(row[5] for row in rec.rows)}
-
 
 async def run(cfg: Config, args, job: JobInputs) -> dict:
     model_path = job.model_path
@@ -178,9 +171,8 @@ def step_costs(modes: list[LocalMode], probe: StepRecorder, probe_process_s: flo
     the machine as the utilizations they are compared with (april_ray/sim/calibrate.py)."""
     recorded = {m.name: m.recorder.rows for m in modes} | {"probe": probe.rows}
     rows = [row for steps in recorded.values() for row in steps]
-    by_mode = {m.name: m.between_steps() for m in modes}
-    by_mode["probe"] = {"between_s": outside_steps(probe, probe_process_s), "between_thread_s": probe.between_s,
-                        "steps": len(probe.rows), "requests": sum(row[5] for row in probe.rows)}
+    by_mode = {m.name: m.recorder.between(m.process_s) for m in modes}
+    by_mode["probe"] = probe.between(probe_process_s, boundary_apart=False)
     aborted = sum(m.recorder.aborted for m in modes)
     return {"fit": fit_costs(rows), "features": FEATURES + ("cpu_s",),
             "between_steps": {"boundary_per_aborted": sum(m.recorder.boundary_s for m in modes) / max(1, aborted),
