@@ -30,6 +30,13 @@ class SimulationStalled(RuntimeError):
     """Nothing is ready and no timer is set: every task waits for something that will never happen."""
 
 
+def _threads_alive() -> bool:
+    """Whether a thread besides this one is alive: `threading.active_count() > 1` without its lock (the
+    selector asks at every loop iteration; a thread is in `_active` before its `start()` returns)."""
+    active = getattr(threading, "_active", None)
+    return len(active) > 1 if active is not None else threading.active_count() > 1
+
+
 class _VirtualSelector(selectors.SelectSelector):
     """Never sleeps in virtual time; but while another thread is alive (a result may come back through
     `call_soon_threadsafe`), it waits for real, up to THREAD_WAIT_S, before moving the clock on (only
@@ -43,7 +50,7 @@ class _VirtualSelector(selectors.SelectSelector):
         self.loop = loop
 
     def select(self, timeout=None):
-        threads = threading.active_count() > 1  # alone, nothing can write to the loop's pipes
+        threads = _threads_alive()  # alone, nothing can write to the loop's pipes
         if timeout is not None and timeout <= 0:
             return super().select(0) if threads else []
         waited = 0.0
@@ -52,11 +59,32 @@ class _VirtualSelector(selectors.SelectSelector):
             if events:
                 return events
             waited += 0.01
-            threads = threading.active_count() > 1
+            threads = _threads_alive()
         if timeout is None:
             raise SimulationStalled("virtual clock: no callback is ready and no timer is set")
         self.loop.now += timeout
         return []
+
+
+class _Timer:
+    """`VirtualLoop.timer`'s handle: a `TimerHandle` without its context copy and debug hooks, run
+    straight from the loop (an exception propagates instead of being logged: a simulation stops)."""
+
+    __slots__ = ("loop", "callback", "account", "_cancelled", "_scheduled")
+
+    def __init__(self, loop: "VirtualLoop", callback, account: str | None):
+        self.loop, self.callback, self.account = loop, callback, account
+        self._cancelled = False
+        self._scheduled = True
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def _run(self) -> None:
+        if self.account is None:
+            self.callback()
+        else:
+            self.loop._timed(self.account, self.callback)
 
 
 class VirtualLoop(asyncio.SelectorEventLoop):
@@ -94,6 +122,8 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
     def _account(self, callback) -> str | None:
         owner = getattr(callback, "__self__", None)
+        if owner is None:  # a function or a partial (a future's done callback): no owner
+            return self.default_account
         if self._spawning is not None and isinstance(owner, asyncio.Task):
             self.watch(owner, self._spawning)
         entry = self.owners.get(id(owner))
@@ -119,6 +149,13 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         timer._scheduled = True
         return timer
 
+    def timer(self, when: float, callback) -> _Timer:
+        """`call_at(when, callback)` for the simulated engines' own timers (one per span of steps, a
+        large simulation sets millions): no arguments, no context, accounted as `call_at` would."""
+        timer = _Timer(self, callback, self._account(callback))
+        heapq.heappush(self._timers, (when, next(self._timer_seq), timer))
+        return timer
+
     def _timer_handle_cancelled(self, handle) -> None:
         """A cancelled timer stays in the heap until it reaches the top, and is dropped there."""
 
@@ -130,7 +167,9 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         while timers and timers[0][2]._cancelled:
             heapq.heappop(timers)[2]._scheduled = False
         timeout = 0 if ready or self._stopping else max(0.0, timers[0][0] - self.now) if timers else None
-        self._process_events(self._selector.select(timeout))
+        events = self._selector.select(timeout)
+        if events:
+            self._process_events(events)
         end = self.now + self._clock_resolution
         while timers and timers[0][0] < end:
             handle = heapq.heappop(timers)[2]
