@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from april_ray.config import Config, RolloutConfig, StalenessConfig
@@ -362,6 +363,36 @@ def test_calibrate_compares_the_simulation_with_both_measurements(tmp_path, rand
     assert {"within_0.05", "within_0.05_cpu", "within_0.05_in_situ", "within_0.05_bench_probe",
             "within_0.05_replayed"} <= result.keys()
     assert result["ceiling_tok_s"]["simulated_bench_probe"] > result["ceiling_tok_s"]["simulated"]
+    assert set(result["fit_over_measured_steps"]) == {"sync", "april_1.5", "april_3", "probe"}
+
+
+def test_fit_over_measured_is_one_for_exact_costs_and_finds_a_mode_they_miss():
+    """Steps that follow the fitted costs exactly give 1; a mode whose steps all cost 10% more than their
+    features say gives 1/1.1, and the fit from every mode's steps is what `fit_costs` returns."""
+    from april_ray.sim.calibrate import COSTS, FEATURES, fit_costs, fit_over_measured
+
+    rng = np.random.default_rng(0)
+    true = dict(zip(COSTS, (1e-3, 4e-5, 3e-7, 2e-5, 2e-4, 0.0, 2e-6, 6e-4, 3e-7)))
+
+    def steps(n: int, extra: float) -> list[tuple]:
+        out = []
+        for _ in range(n):
+            rows, ctx = int(rng.integers(1, 65)), float(rng.integers(100, 5000))
+            pre = float(rng.integers(0, 200)) * (rng.random() < 0.3)
+            x = (1.0, rows, ctx, pre, float(pre > 0), float(rng.integers(0, 3)), float(rng.integers(0, 50)),
+                 float(rng.random() < 0.05), ctx * (1 + rng.random()))
+            out.append(x + (extra * sum(true[c] * v for c, v in zip(COSTS, x)),))
+        return out
+
+    recorded = {"sync": steps(400, 1.0), "probe": steps(400, 1.0), "april_3": steps(40, 1.1)}
+    fit = fit_costs([r for rs in recorded.values() for r in rs])
+    sums = {m: dict(zip(FEATURES + ("cpu_s",), map(float, np.sum(rs, axis=0)))) for m, rs in recorded.items()}
+    ratio = fit_over_measured({"step_costs": {"fit": fit, "sums": sums}})
+    assert ratio["sync"] == pytest.approx(1.0, abs=0.01) and ratio["probe"] == pytest.approx(1.0, abs=0.01)
+    assert ratio["april_3"] == pytest.approx(1 / 1.1, abs=0.02)
+    exact = {"step_costs": {"fit": true, "sums": {m: s for m, s in sums.items() if m != "april_3"}}}
+    assert fit_over_measured(exact) == pytest.approx({"sync": 1.0, "probe": 1.0})
+    assert fit_over_measured({}) == {}
 
 
 @pytest.mark.slow

@@ -43,6 +43,9 @@ from april_ray.sim.hardware import StepCost
 from april_ray.sim.workload import LengthModel, Workload
 
 FEATURES = ("one", "rows", "context", "prefilled", "any_prefill", "admitted", "restored", "regrouped", "attended")
+COSTS = ("a", "b", "c", "prefill_per_token", "prefill_per_step", "per_admitted", "per_restored_token", "per_regroup",
+         "per_attended")
+"""The fit's cost of each feature, in `FEATURES` order."""
 
 
 class StepRecorder:
@@ -156,9 +159,7 @@ def fit_costs(rows: list[tuple]) -> dict:
             break
         keep.pop(int(np.argmin(sol)))
     rel = np.abs(x @ coef - y) / y
-    names = ("a", "b", "c", "prefill_per_token", "prefill_per_step", "per_admitted", "per_restored_token",
-             "per_regroup", "per_attended")
-    return dict(zip(names, map(float, coef))) | {
+    return dict(zip(COSTS, map(float, coef))) | {
         "steps": len(rows), "rel_error_median": float(np.median(rel)), "rel_error_p90": float(np.percentile(rel, 90))}
 
 
@@ -264,6 +265,15 @@ def attended_per_context(measured: dict, mode: str) -> float | None:
     return sums["attended"] / max(1.0, sums["context"]) if sums else None
 
 
+def fit_over_measured(measured: dict) -> dict[str, float]:
+    """Per mode of a bench run (its probe included): the CPU its own fit gives the engine steps of that
+    mode, over the CPU they measured (1: the fit's error averages out over that mode's steps)."""
+    costs = measured.get("step_costs", {})
+    fit = costs.get("fit", {})
+    return {mode: sum(fit[c] * s[f] for c, f in zip(COSTS, FEATURES)) / s["cpu_s"]
+            for mode, s in costs.get("sums", {}).items()}
+
+
 def bench_probe(cfg: Config, setting: Setting, measured: dict) -> tuple[float, float]:
     """The bench's own ceiling probe simulated (`cluster.restarted_probe`: lanes restarted in lockstep each
     time, on the prompts the schedules start with, `--probe-seconds` after a second of warm-up, as
@@ -362,9 +372,14 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
               f"{with_recording or float('nan'):.3f})", flush=True)
     print(f"ceiling: simulated {ceiling:.0f} tok/s (steady state), the bench's restarted probe simulated "
           f"{probe_rate:.0f} tok/s (context {probe_context:.1f} per row)", flush=True)
+    fit_ratio = fit_over_measured(measured)
+    if fit_ratio:
+        print("the bench's fit over its measured engine steps: " +
+              ", ".join(f"{m} {r:.3f}" for m, r in fit_ratio.items()), flush=True)
     return {"ceiling_tok_s": {"measured": measured["saturated_tok_s"], "simulated": ceiling,
                               "simulated_bench_probe": probe_rate},
             "bench_probe_context_per_row": probe_context,
+            "fit_over_measured_steps": fit_ratio,
             "comparison": rows, "within_0.05": all(abs(r["error"]) <= 0.05 for r in rows),
             "within_0.05_bench_probe": all(abs(r["bench_probe_error"]) <= 0.05 for r in rows),
             "within_0.05_replayed": all(r["replayed_error"] is not None and abs(r["replayed_error"]) <= 0.05 for r in rows),
