@@ -2,7 +2,7 @@
 simulated engines (april_ray/sim/), from a few GPUs to a thousand.
 
     python -m jobs.simulate --config configs/qwen3_4b_dapo.yaml --gpus 8,64,512,1024 [--factors 1,1.5,2,3,4]
-        --json PATH [--plot PNG] [key=value ...] [simulate.key=value ...]
+        --json PATH [--plot PNG] [--workers N] [key=value ...] [simulate.key=value ...]
     python -m jobs.simulate --config configs/tiny_cpu.yaml --measure-cpu docs/benchmarks/simulate_cpu.json
     python -m jobs.simulate --config configs/tiny_cpu.yaml --calibrate --json PATH
 
@@ -11,7 +11,10 @@ source, partial-rollout store and engine workers of the training job, on engines
 the accelerator's roofline and whose responses end at lengths drawn from `simulate.length_*`
 (april_ray/sim/config.py; every constant is listed under `assumptions` in the JSON). The simulated engines
 replace the configured backend (`engine.backend` and the server's settings are not used, except
-`engine.mem_fraction`, the share of memory for weights and KV cache).
+`engine.mem_fraction`, the share of memory for weights and KV cache). Every schedule runs on its own
+virtual loop, so `--workers N` runs N of them side by side in as many processes, the largest first: the
+same results (but for the measured control-plane CPU, which passes on the virtual clock) in about the
+time of the longest schedule, given N free cores. `cpu_s` in the JSON counts every process's CPU.
 
 `--measure-cpu` runs `jobs.bench.schedule` once (`--record-steps` rounds, default 24) for the CPU
 engine's step costs, times a grid of uniform batches, and records the tiny model's response lengths.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -45,6 +49,8 @@ def parse() -> tuple:
     parser.add_argument("--factors", default=None, help="APRIL's N'/N, comma-separated (default: the config's)")
     parser.add_argument("--json", default=None, help="where to write the results")
     parser.add_argument("--plot", default=None, help="PNG: utilization vs N'/N per GPU count")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes running schedules side by side (each on its own core; default 1)")
     parser.add_argument("--measure-cpu", default=None, metavar="PATH", help="measure the CPU engine, write PATH")
     parser.add_argument("--record-steps", type=int, default=24, help="--measure-cpu: the bench's rounds")
     parser.add_argument("--probe-seconds", type=float, default=2.0, help="--measure-cpu: the bench's probe window")
@@ -53,6 +59,8 @@ def parse() -> tuple:
     parser.add_argument("--measured", default=str(DOCS / "bench_schedule_calibration.json"),
                         help="jobs.bench.schedule's JSON: the utilizations to predict (and their step costs)")
     args = parser.parse_intermixed_args()
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: must be at least 1")
     sim_items = [o for o in args.overrides if o.startswith("simulate.")]
     rest = [o for o in args.overrides if not o.startswith("simulate.")]
     try:
@@ -66,23 +74,53 @@ def parse() -> tuple:
     return cfg, sim, args
 
 
-def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float]) -> dict:
-    rows, ceiling, setting = [], None, None
-    for g in gpus:
-        setting = study.gpu_setting(cfg, sim, g)
-        if ceiling is None:  # every engine is alike, whatever their number
-            ceiling = study.ceiling_of(setting, cfg.rollout.n_samples_per_prompt)
-        n = study.batch_for(cfg, setting.num_engines)
-        # sync carries nothing from one step to the next (no store, every engine drained): no warm-up
-        sync = study.run_schedule(setting, study.rollout_for(cfg, n, None), sim.steps, 0, "latency", ceiling)
-        for f in factors:
-            april = study.run_schedule(setting, study.rollout_for(cfg, n, f), sim.steps, sim.warmup_steps,
-                                       "latency", ceiling)
-            rows.append(result_row(cfg, sim, g, setting.num_engines, f, sync, april))
-            print(format_row(rows[-1]), flush=True)
+def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float], workers: int = 1) -> dict:
+    """Every GPU count's synchronous baseline and APRIL at each factor, each schedule on its own virtual
+    loop: with `workers` > 1 they run side by side in that many processes (largest first), and each
+    schedule's CPU figures are its own process's."""
+    ceiling = study.ceiling_of(study.gpu_setting(cfg, sim, gpus[0]), cfg.rollout.n_samples_per_prompt)
+    # (every engine is alike, whatever their number)
+    jobs = [(g, f) for g in gpus for f in (None, *factors)]
+    results: dict[tuple, dict] = {}
+    if workers <= 1:
+        for g in gpus:
+            for f in (None, *factors):
+                results[g, f] = run_one(cfg, sim, g, f, ceiling)
+                if f is not None:
+                    print(format_row(row_of(cfg, sim, g, f, results)), flush=True)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # the largest first: the run ends about when its longest schedule does
+        jobs.sort(key=lambda j: (j[0], j[1] is not None), reverse=True)
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {job: pool.submit(run_one, cfg, sim, *job, ceiling) for job in jobs}
+            for g in gpus:
+                for f in (None, *factors):
+                    results[g, f] = futures[g, f].result()
+                for f in factors:
+                    print(format_row(row_of(cfg, sim, g, f, results)), flush=True)
+    rows = [row_of(cfg, sim, g, f, results) for g in gpus for f in factors]
+    setting = study.gpu_setting(cfg, sim, gpus[-1])
     return {"ceiling_tok_s_per_engine": ceiling * setting.workload.block, "results": rows,
             "assumptions": study.assumptions(cfg, sim, setting),
             "control_plane_limit": control_plane_limit(rows, factors)}
+
+
+def run_one(cfg, sim: SimulateConfig, gpus: int, factor: float | None, ceiling: float) -> dict:
+    """One schedule at one GPU count: the synchronous baseline (`factor` None) or APRIL at N'/N = factor."""
+    setting = study.gpu_setting(cfg, sim, gpus)
+    n = study.batch_for(cfg, setting.num_engines)
+    # sync carries nothing from one step to the next (no store, every engine drained): no warm-up
+    warmup = 0 if factor is None else sim.warmup_steps
+    return study.run_schedule(setting, study.rollout_for(cfg, n, factor), sim.steps, warmup, "latency", ceiling) \
+        | {"engines": setting.num_engines}
+
+
+def row_of(cfg, sim: SimulateConfig, gpus: int, factor: float, results: dict) -> dict:
+    april = results[gpus, factor]
+    return result_row(cfg, sim, gpus, april["engines"], factor, results[gpus, None], april)
 
 
 def result_row(cfg, sim, gpus: int, engines: int, factor: float, sync: dict, april: dict) -> dict:
@@ -188,10 +226,12 @@ def main() -> None:
         gpus = [int(g) for g in args.gpus.split(",")]
         factors = [float(f) for f in args.factors.split(",")] if args.factors else \
             [cfg.rollout.over_sampling_batch_size / cfg.rollout.rollout_batch_size]
-        result = simulate_gpus(cfg, sim, gpus, factors)
+        result = simulate_gpus(cfg, sim, gpus, factors, args.workers) | {"workers": args.workers}
         if args.plot:
             plot(result["results"], args.plot)
-    result = {"wall_s": time.time() - t0, "cpu_s": time.process_time() - c0, **result}
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = {"wall_s": time.time() - t0, "cpu_s": time.process_time() - c0 + children.ru_utime + children.ru_stime,
+              **result}
     write_result(args.json, result)
 
 
