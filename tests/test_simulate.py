@@ -407,6 +407,25 @@ def test_fit_over_measured_is_one_for_exact_costs_and_finds_a_mode_they_miss():
     assert fit_over_measured({}) == {}
 
 
+def test_fit_by_gap_finds_steps_that_follow_other_work_costlier():
+    """Steps that follow over a millisecond of other work cost 20% more than their batch: their bin's fit
+    over measured is 1/1.2, the rest's 1; bins of fewer than 20 steps are left out."""
+    from april_ray.sim.calibrate import COSTS, fit_by_gap
+
+    fit = dict(zip(COSTS, (1e-3, 4e-5, 3e-7, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)))
+    rows, gaps = [], []
+    for i in range(300):
+        gap = (0.1e-3, 2e-3, 50e-3)[i % 3] if i < 290 else 0.01e-3  # 10 steps in the first bin: left out
+        x = (1.0, float(1 + i % 64), float(100 * (1 + i % 50)), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        cost = sum(fit[c] * v for c, v in zip(COSTS, x)) * (1.2 if gap > 1e-3 else 1.0)
+        rows.append(x + (cost,))
+        gaps.append(gap)
+    bins = fit_by_gap(fit, {"april": rows}, {"april": gaps})["april"]
+    assert [b["gap_ms"] for b in bins] == [[0.05, 0.2], [1.0, 5.0], [5.0, None]]
+    assert [round(b["fit_over_measured"], 3) for b in bins] == [1.0, round(1 / 1.2, 3), round(1 / 1.2, 3)]
+    assert sum(b["steps"] for b in bins) == 290
+
+
 @pytest.mark.slow
 def test_measure_cpu_takes_its_costs_from_a_bench_run_and_calibrate_reads_them(tmp_path, random_model_dir):
     """`--measure-cpu` runs jobs.bench.schedule for the step costs, times the grid, records the lengths;

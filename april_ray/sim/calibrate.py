@@ -50,10 +50,17 @@ COSTS = ("a", "b", "c", "prefill_per_token", "prefill_per_step", "per_admitted",
 
 class StepRecorder:
     """Wraps one `LLMEngine`'s `step` (from outside, for the measurement) and keeps each step's features
-    and CPU time, and the thread's CPU between steps (the front end, the workers and the monitor)."""
+    and CPU time, and the thread's CPU between steps (the front end, the workers and the monitor).
+
+    `gaps`: per step, the thread's CPU since the last step any recorder timed (-1 for the first): the
+    other work the step follows on its core, whose memory traffic leaves the engine's caches cold (a
+    step after a long gap costs more than its batch explains: `fit_by_gap`)."""
+
+    _last_any: float | None = None
+    """Thread CPU time when the last recorded step of any engine ended (all run on one thread)."""
 
     def __init__(self, engine):
-        self.engine, self.inner, self.rows = engine, engine.step, []
+        self.engine, self.inner, self.rows, self.gaps = engine, engine.step, [], []
         self.between_s, self.last = 0.0, None
         self.boundary_s, self.aborted = 0.0, 0
         self.inner_abort_all = engine.abort_all
@@ -81,7 +88,8 @@ class StepRecorder:
         prefilled, rows = e.num_prefill_tokens - n0, e.occupancy[-1][1]
         self.rows.append((1.0, rows, context, prefilled, float(prefilled > 0), rows - running,
                           e.num_reused_tokens - r0, e.num_regroups - g0, attended, dt))
-        self.last = time.thread_time()
+        self.gaps.append(-1.0 if StepRecorder._last_any is None else t_in - StepRecorder._last_any)
+        self.last = StepRecorder._last_any = time.thread_time()
         return outs
 
     def boundary(self) -> None:
@@ -263,6 +271,29 @@ def attended_per_context(measured: dict, mode: str) -> float | None:
     """The padded attention span over the context, over the bench's engine steps of `mode` (if recorded)."""
     sums = measured.get("step_costs", {}).get("sums", {}).get(mode)
     return sums["attended"] / max(1.0, sums["context"]) if sums else None
+
+
+GAP_BINS_MS = (0.0, 0.05, 0.2, 1.0, 5.0, float("inf"))
+
+
+def fit_by_gap(fit: dict, recorded: dict[str, list[tuple]], gaps: dict[str, list[float]]) -> dict[str, list[dict]]:
+    """Per mode, the fit's CPU over the measured CPU of its steps binned by the CPU the thread spent on
+    other work just before each (`StepRecorder.gaps`, in ms; bins of at least 20 steps)."""
+    coef = np.array([fit[c] for c in COSTS])
+    out = {}
+    for mode, rows in recorded.items():
+        if not rows:
+            continue
+        x, y = np.array([r[:-1] for r in rows], dtype=float), np.array([r[-1] for r in rows])
+        gap = np.array(gaps[mode]) * 1e3
+        out[mode] = []
+        for lo, hi in zip(GAP_BINS_MS, GAP_BINS_MS[1:]):
+            sel = (gap >= lo) & (gap < hi)
+            if sel.sum() >= 20:
+                out[mode].append({"gap_ms": [lo, hi if hi != float("inf") else None], "steps": int(sel.sum()),
+                                  "rows_mean": float(x[sel, 1].mean()),
+                                  "fit_over_measured": float((x[sel] @ coef).sum() / y[sel].sum())})
+    return out
 
 
 def fit_over_measured(measured: dict) -> dict[str, float]:

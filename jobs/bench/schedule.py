@@ -28,7 +28,9 @@ Every engine step (the modes' and the probes') is recorded as `jobs.simulate --c
 costs (april_ray/sim/calibrate.py `StepRecorder`, its thread's CPU time and the batch it ran): the JSON's
 `step_costs` holds the fit, each feature summed per mode, and the CPU outside steps, so the simulator
 predicts this run with costs from the same minutes of the machine. The recording's own CPU, outside the
-steps it times, falls on every mode and on the probe alike.
+steps it times, falls on every mode and on the probe alike. `fit_by_gap` checks the fit against each mode's
+steps grouped by the CPU the thread spent on other work just before them (a step that follows more of
+it finds the engine's caches colder).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ from april_ray.rollout.local import LocalPool, LocalProxy
 from april_ray.rollout.monitor import CompletionMonitor
 from april_ray.rollout.prompt_source import PromptSource, first_prompts
 from april_ray.rollout.store import PartialRolloutStore
-from april_ray.sim.calibrate import FEATURES, StepRecorder, fit_costs
+from april_ray.sim.calibrate import FEATURES, StepRecorder, fit_by_gap, fit_costs
 from april_ray.task.data import read_examples
 from driver.setup import JobInputs, prepare
 
@@ -170,11 +172,13 @@ def step_costs(modes: list[LocalMode], probe: StepRecorder, probe_process_s: flo
     mode, and the CPU between steps: the step costs `jobs.simulate --calibrate` simulates this run with, from the same minutes of
     the machine as the utilizations they are compared with (april_ray/sim/calibrate.py)."""
     recorded = {m.name: m.recorder.rows for m in modes} | {"probe": probe.rows}
+    gaps = {m.name: m.recorder.gaps for m in modes} | {"probe": probe.gaps}
     rows = [row for steps in recorded.values() for row in steps]
     by_mode = {m.name: m.recorder.between(m.process_s) for m in modes}
     by_mode["probe"] = probe.between(probe_process_s, boundary_apart=False)
     aborted = sum(m.recorder.aborted for m in modes)
-    return {"fit": fit_costs(rows), "features": FEATURES + ("cpu_s",),
+    fit = fit_costs(rows)
+    return {"fit": fit, "features": FEATURES + ("cpu_s",), "fit_by_gap": fit_by_gap(fit, recorded, gaps),
             "between_steps": {"boundary_per_aborted": sum(m.recorder.boundary_s for m in modes) / max(1, aborted),
                               "by_mode": by_mode},
             "sums": {name: dict(zip(FEATURES + ("cpu_s",), map(float, np.sum(steps, axis=0))))
