@@ -53,8 +53,8 @@ class StepRecorder:
     and CPU time, and the thread's CPU between steps (the front end, the workers and the monitor).
 
     `gaps`: per step, the thread's CPU since the last step any recorder timed (-1 for the first): the
-    other work the step follows on its core, whose memory traffic leaves the engine's caches cold (a
-    step after a long gap costs more than its batch explains: `fit_by_gap`)."""
+    other work the step follows on its core (measured: a step after a longer gap costs more than its
+    batch explains, `fit_by_gap`; most likely that work's memory traffic leaves the caches cold)."""
 
     _last_any: float | None = None
     """Thread CPU time when the last recorded step of any engine ended (all run on one thread)."""

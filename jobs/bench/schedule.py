@@ -30,7 +30,7 @@ costs (april_ray/sim/calibrate.py `StepRecorder`, its thread's CPU time and the 
 predicts this run with costs from the same minutes of the machine. The recording's own CPU, outside the
 steps it times, falls on every mode and on the probe alike. `fit_by_gap` checks the fit against each mode's
 steps grouped by the CPU the thread spent on other work just before them (a step that follows more of
-it finds the engine's caches colder).
+it costs more than its batch explains).
 """
 from __future__ import annotations
 
