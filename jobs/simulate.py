@@ -50,7 +50,7 @@ def parse() -> tuple:
     parser.add_argument("--json", default=None, help="where to write the results")
     parser.add_argument("--plot", default=None, help="PNG: utilization vs N'/N per GPU count")
     parser.add_argument("--workers", type=int, default=1,
-                        help="processes running schedules side by side (each on its own core; default 1)")
+                        help="the GPU study: processes running its schedules side by side (default 1)")
     parser.add_argument("--measure-cpu", default=None, metavar="PATH", help="measure the CPU engine, write PATH")
     parser.add_argument("--record-steps", type=int, default=24, help="--measure-cpu: the bench's rounds")
     parser.add_argument("--probe-seconds", type=float, default=2.0, help="--measure-cpu: the bench's probe window")
@@ -61,6 +61,8 @@ def parse() -> tuple:
     args = parser.parse_intermixed_args()
     if args.workers < 1:
         parser.error(f"--workers {args.workers}: must be at least 1")
+    if args.workers > 1 and (args.calibrate or args.measure_cpu):
+        parser.error("--workers runs the GPU study's schedules side by side; --calibrate and --measure-cpu run alone")
     sim_items = [o for o in args.overrides if o.startswith("simulate.")]
     rest = [o for o in args.overrides if not o.startswith("simulate.")]
     try:
@@ -78,30 +80,30 @@ def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float
     """Every GPU count's synchronous baseline and APRIL at each factor, each schedule on its own virtual
     loop: with `workers` > 1 they run side by side in that many processes (largest first), and each
     schedule's CPU figures are its own process's."""
+    # every engine is alike, whatever their number
     ceiling = study.ceiling_of(study.gpu_setting(cfg, sim, gpus[0]), cfg.rollout.n_samples_per_prompt)
-    # (every engine is alike, whatever their number)
     jobs = [(g, f) for g in gpus for f in (None, *factors)]
-    results: dict[tuple, dict] = {}
-    if workers <= 1:
-        for g in gpus:
-            for f in (None, *factors):
-                results[g, f] = run_one(cfg, sim, g, f, ceiling)
-                if f is not None:
-                    print(format_row(row_of(cfg, sim, g, f, results)), flush=True)
-    else:
+    pool = None
+    if workers > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
         # the largest first: the run ends about when its longest schedule does
-        jobs.sort(key=lambda j: (j[0], j[1] is not None), reverse=True)
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {job: pool.submit(run_one, cfg, sim, *job, ceiling) for job in jobs}
-            for g in gpus:
-                for f in (None, *factors):
-                    results[g, f] = futures[g, f].result()
-                for f in factors:
-                    print(format_row(row_of(cfg, sim, g, f, results)), flush=True)
-    rows = [row_of(cfg, sim, g, f, results) for g in gpus for f in factors]
+        futures = {job: pool.submit(run_one, cfg, sim, *job, ceiling)
+                   for job in sorted(jobs, key=lambda j: (j[0], j[1] is not None), reverse=True)}
+    results, rows = {}, []
+    try:
+        for job in jobs:  # in order: a GPU count's rows as soon as its schedules are done
+            results[job] = futures[job].result() if pool else run_one(cfg, sim, *job, ceiling)
+            g, f = job
+            if f is not None:
+                april = results[job]
+                rows.append(result_row(cfg, sim, g, april["engines"], f, results[g, None], april))
+                print(format_row(rows[-1]), flush=True)
+    finally:
+        if pool:  # on a failure, the schedules not started yet are dropped
+            pool.shutdown(cancel_futures=True)
     setting = study.gpu_setting(cfg, sim, gpus[-1])
     return {"ceiling_tok_s_per_engine": ceiling * setting.workload.block, "results": rows,
             "assumptions": study.assumptions(cfg, sim, setting),
@@ -116,11 +118,6 @@ def run_one(cfg, sim: SimulateConfig, gpus: int, factor: float | None, ceiling: 
     warmup = 0 if factor is None else sim.warmup_steps
     return study.run_schedule(setting, study.rollout_for(cfg, n, factor), sim.steps, warmup, "latency", ceiling) \
         | {"engines": setting.num_engines}
-
-
-def row_of(cfg, sim: SimulateConfig, gpus: int, factor: float, results: dict) -> dict:
-    april = results[gpus, factor]
-    return result_row(cfg, sim, gpus, april["engines"], factor, results[gpus, None], april)
 
 
 def result_row(cfg, sim, gpus: int, engines: int, factor: float, sync: dict, april: dict) -> dict:

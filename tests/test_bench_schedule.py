@@ -54,8 +54,8 @@ def test_bench_schedule_runs_sync_and_april_in_process(tmp_path, random_model_di
         sums, between = costs["sums"][mode], costs["between_steps"]["by_mode"][mode]
         assert sums["rows"] >= r[mode]["engine_decoded_tokens"] and sums["attended"] >= sums["context"] > 0
         assert between["steps"] == round(sums["one"]) and between["between_s"] > 0
-    # the fit against each mode's steps by the other work that preceded them: bins of >= 20 steps
+    # the fit against each mode's steps by the other work that preceded them
     assert set(costs["fit_by_gap"]) == {"sync", "april_1", "april_2", "probe"}
     for mode, bins in costs["fit_by_gap"].items():
         assert sum(b["steps"] for b in bins) <= round(costs["sums"][mode]["one"])
-        assert all(b["steps"] >= 20 and b["fit_over_measured"] > 0 for b in bins)
+        assert all(b["fit_over_measured"] > 0 and 0 < b["rows_mean"] <= 16 for b in bins)

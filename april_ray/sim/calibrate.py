@@ -52,12 +52,17 @@ class StepRecorder:
     """Wraps one `LLMEngine`'s `step` (from outside, for the measurement) and keeps each step's features
     and CPU time, and the thread's CPU between steps (the front end, the workers and the monitor).
 
-    `gaps`: per step, the thread's CPU since the last step any recorder timed (-1 for the first): the
-    other work the step follows on its core (measured: a step after a longer gap costs more than its
-    batch explains, `fit_by_gap`; most likely that work's memory traffic leaves the caches cold)."""
+    `gaps`: per step, the thread's CPU since the last step any recorder of the run timed (-1 for the
+    run's first): the other work the step follows on its core (`fit_by_gap` checks the fit against it)."""
 
     _last_any: float | None = None
-    """Thread CPU time when the last recorded step of any engine ended (all run on one thread)."""
+    """Thread CPU time when the last recorded step of any engine of the run ended (all run on one
+    thread; `new_run` forgets it)."""
+
+    @classmethod
+    def new_run(cls) -> None:
+        """A new bench run starts (its first step follows no recorded one)."""
+        cls._last_any = None
 
     def __init__(self, engine):
         self.engine, self.inner, self.rows, self.gaps = engine, engine.step, [], []

@@ -79,6 +79,7 @@ class _Timer:
 
     def cancel(self) -> None:
         self._cancelled = True
+        self.callback = None  # it waits in the heap until it surfaces: hold nothing meanwhile
 
     def _run(self) -> None:
         if self.account is None:
@@ -99,7 +100,7 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         self._spawning: str | None = None
         self.stall_s = 0.0
         """Virtual seconds the simulated engines have been held up by clocked work (with `stall`)."""
-        self._timers: list[tuple[float, int, asyncio.TimerHandle]] = []
+        self._timers: list[tuple[float, int, asyncio.TimerHandle | _Timer]] = []
         self._timer_seq = itertools.count()
         super().__init__(_VirtualSelector(self))
 

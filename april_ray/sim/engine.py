@@ -79,7 +79,8 @@ class SimEngine:
         self.version = self.next_version = version
         self.loop = asyncio.get_event_loop()
         self._at = getattr(self.loop, "timer", None) or self.loop.call_at
-        """`_at(when, callback)`: the virtual loop's lean timer (`call_at` on another loop)."""
+        """`_at(when, callback)`: the virtual loop's lean timer, whose exception stops the simulation
+        (`call_at` on another loop, whose handler logs it)."""
         self.steps = 0
         self.context = 0
         """Tokens in the running rows' caches after `steps` steps."""

@@ -68,7 +68,7 @@ class LengthModel:
         self.row_keys = sorted(self.rows)
         self.by_sample = by_sample or {}
 
-    @functools.lru_cache(maxsize=1 << 17)  # a sample's length is looked up at every call that carries it
+    @functools.lru_cache(maxsize=1 << 17)  # for callers without a cache of their own (`Workload` has one)
     def __call__(self, row: int, sample_key: str) -> int:
         return self.draw(row, sample_key)
 

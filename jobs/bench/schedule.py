@@ -29,8 +29,8 @@ costs (april_ray/sim/calibrate.py `StepRecorder`, its thread's CPU time and the 
 `step_costs` holds the fit, each feature summed per mode, and the CPU outside steps, so the simulator
 predicts this run with costs from the same minutes of the machine. The recording's own CPU, outside the
 steps it times, falls on every mode and on the probe alike. `fit_by_gap` checks the fit against each mode's
-steps grouped by the CPU the thread spent on other work just before them (a step that follows more of
-it costs more than its batch explains).
+steps grouped by the CPU the thread spent on other work just before them (and each bin's mean rows: the
+bins are not of like batches).
 """
 from __future__ import annotations
 
@@ -116,6 +116,7 @@ class LocalMode:
 
 
 async def run(cfg: Config, args, job: JobInputs) -> dict:
+    StepRecorder.new_run()
     model_path = job.model_path
     model, tok = load_policy(model_path)
     state = {k: v.clone() for k, v in model.state_dict().items()}
