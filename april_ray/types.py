@@ -138,13 +138,12 @@ class Sample:
 
     def extend(self, out: GenerateOutput) -> None:
         """Append an engine result; an aborted result leaves the sample PARTIAL, anything else FINISHED."""
-        assert len(out.token_ids) + len(self.response_ids) <= self.max_response_len, \
-            "engine exceeded the remaining budget"
+        assert len(out.token_ids) <= self.remaining_budget, "engine exceeded the remaining budget"
         self.response_ids = self.response_ids + out.token_ids
         self.logprobs = self.logprobs + out.logprobs
         self.versions = self.versions + out.versions
-        self.finish_reason = reason = out.finish_reason
-        self.state = SampleState.PARTIAL if reason == FinishReason.ABORT else SampleState.FINISHED
+        self.finish_reason = out.finish_reason
+        self.state = SampleState.PARTIAL if out.finish_reason == FinishReason.ABORT else SampleState.FINISHED
 
 
 @dataclass

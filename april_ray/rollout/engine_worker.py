@@ -79,8 +79,6 @@ class EngineWorker:
         """Off the event loop with a timeout; a call that fails scores 0 and is counted (`stats`)."""
         self.sampling = sampling
         self.closed_steps: deque = deque(maxlen=64)
-        self._by_budget: dict[int, SamplingParams] = {}
-        self._sampling_of: SamplingParams | None = None
 
     async def generate_group(self, samples: list[Sample], step) -> tuple[list[SampleMeta], list[Sample]]:
         """Generate some samples of one group at once. Each output is taken the moment it arrives (a done
@@ -89,14 +87,13 @@ class EngineWorker:
         if step in self.closed_steps or not samples:
             return [sample_meta(s, 0) for s in samples], list(samples)
         group = _GroupCall(asyncio.get_running_loop().create_future(), len(samples))
-        calls, suffix = [], f"@{step}"
+        calls = []
         try:
             for s in samples:
                 s = with_fields(s, num_resumes=s.num_resumes + bool(s.response_ids))
-                out = self.engine.generate(GenerateRequest(s.sample_id + suffix, s.input_ids,
-                                                           self._sampling(s.remaining_budget)))
-                if not isinstance(out, asyncio.Future):  # a coroutine (the engines' async generate)
-                    out = asyncio.ensure_future(out)
+                sp = with_fields(self.sampling, max_new_tokens=s.remaining_budget)
+                out = asyncio.ensure_future(self.engine.generate(GenerateRequest(f"{s.sample_id}@{step}", s.input_ids,
+                                                                                 sp)))
                 out.add_done_callback(partial(self._arrived, s, group))
                 calls.append((s, out))
             await group.done
@@ -110,16 +107,6 @@ class EngineWorker:
             s.reward = r.result()
         return [sample_meta(s, out.result().num_tokens) for s, out in calls], [s for s, _ in calls]
 
-    def _sampling(self, budget: int) -> SamplingParams:
-        """The configured sampling with this budget: one shared object per budget (messages are never
-        changed in place), not a copy per request."""
-        if self._sampling_of is not self.sampling:
-            self._by_budget, self._sampling_of = {}, self.sampling
-        sp = self._by_budget.get(budget)
-        if sp is None:
-            sp = self._by_budget[budget] = with_fields(self.sampling, max_new_tokens=budget)
-        return sp
-
     def _arrived(self, sample: Sample, group: "_GroupCall", out: asyncio.Future) -> None:
         if group.done.done():
             return
@@ -132,9 +119,7 @@ class EngineWorker:
         sample.extend(out.result())
         if sample.state == SampleState.FINISHED:
             reward = self.reward(sample.prompt, self.decode(sample.response_ids), sample.answer)
-            if not isinstance(reward, asyncio.Future):
-                reward = asyncio.ensure_future(reward)
-            group.rewards.append((sample, reward))
+            group.rewards.append((sample, asyncio.ensure_future(reward)))
         group.left -= 1
         if not group.left:
             group.done.set_result(None)

@@ -14,8 +14,6 @@ from april_ray.rollout.store import resolve_groups
 
 
 class LocalHandle:
-    __slots__ = ("task", "index")
-
     def __init__(self, task: asyncio.Future, index: int):
         self.task = task
         self.index = index

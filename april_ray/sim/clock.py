@@ -30,13 +30,6 @@ class SimulationStalled(RuntimeError):
     """Nothing is ready and no timer is set: every task waits for something that will never happen."""
 
 
-def _threads_alive() -> bool:
-    """Whether a thread besides this one is alive: `threading.active_count() > 1` without its lock (the
-    selector asks at every loop iteration; a thread is in `_active` before its `start()` returns)."""
-    active = getattr(threading, "_active", None)
-    return len(active) > 1 if active is not None else threading.active_count() > 1
-
-
 class _VirtualSelector(selectors.SelectSelector):
     """Never sleeps in virtual time; but while another thread is alive (a result may come back through
     `call_soon_threadsafe`), it waits for real, up to THREAD_WAIT_S, before moving the clock on (only
@@ -50,7 +43,7 @@ class _VirtualSelector(selectors.SelectSelector):
         self.loop = loop
 
     def select(self, timeout=None):
-        threads = _threads_alive()  # alone, nothing can write to the loop's pipes
+        threads = threading.active_count() > 1  # alone, nothing can write to the loop's pipes
         if timeout is not None and timeout <= 0:
             return super().select(0) if threads else []
         waited = 0.0
@@ -59,33 +52,11 @@ class _VirtualSelector(selectors.SelectSelector):
             if events:
                 return events
             waited += 0.01
-            threads = _threads_alive()
+            threads = threading.active_count() > 1
         if timeout is None:
             raise SimulationStalled("virtual clock: no callback is ready and no timer is set")
         self.loop.now += timeout
         return []
-
-
-class _Timer:
-    """`VirtualLoop.timer`'s handle: a `TimerHandle` without its context copy and debug hooks, run
-    straight from the loop (an exception propagates instead of being logged: a simulation stops)."""
-
-    __slots__ = ("loop", "callback", "account", "_cancelled", "_scheduled")
-
-    def __init__(self, loop: "VirtualLoop", callback, account: str | None):
-        self.loop, self.callback, self.account = loop, callback, account
-        self._cancelled = False
-        self._scheduled = True
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        self.callback = None  # it waits in the heap until it surfaces: hold nothing meanwhile
-
-    def _run(self) -> None:
-        if self.account is None:
-            self.callback()
-        else:
-            self.loop._timed(self.account, self.callback)
 
 
 class VirtualLoop(asyncio.SelectorEventLoop):
@@ -100,7 +71,7 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         self._spawning: str | None = None
         self.stall_s = 0.0
         """Virtual seconds the simulated engines have been held up by clocked work (with `stall`)."""
-        self._timers: list[tuple[float, int, asyncio.TimerHandle | _Timer]] = []
+        self._timers: list[tuple[float, int, asyncio.TimerHandle]] = []
         self._timer_seq = itertools.count()
         super().__init__(_VirtualSelector(self))
 
@@ -123,8 +94,6 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
     def _account(self, callback) -> str | None:
         owner = getattr(callback, "__self__", None)
-        if owner is None:  # a function or a partial (a future's done callback): no owner
-            return self.default_account
         if self._spawning is not None and isinstance(owner, asyncio.Task):
             self.watch(owner, self._spawning)
         entry = self.owners.get(id(owner))
@@ -150,13 +119,6 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         timer._scheduled = True
         return timer
 
-    def timer(self, when: float, callback) -> _Timer:
-        """`call_at(when, callback)` for the simulated engines' own timers (one per span of steps, a
-        large simulation sets millions): no arguments, no context, accounted as `call_at` would."""
-        timer = _Timer(self, callback, self._account(callback))
-        heapq.heappush(self._timers, (when, next(self._timer_seq), timer))
-        return timer
-
     def _timer_handle_cancelled(self, handle) -> None:
         """A cancelled timer stays in the heap until it reaches the top, and is dropped there."""
 
@@ -168,9 +130,7 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         while timers and timers[0][2]._cancelled:
             heapq.heappop(timers)[2]._scheduled = False
         timeout = 0 if ready or self._stopping else max(0.0, timers[0][0] - self.now) if timers else None
-        events = self._selector.select(timeout)
-        if events:
-            self._process_events(events)
+        self._process_events(self._selector.select(timeout))
         end = self.now + self._clock_resolution
         while timers and timers[0][0] < end:
             handle = heapq.heappop(timers)[2]

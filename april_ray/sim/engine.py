@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from april_ray.sim.hardware import StepCost
 from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
@@ -51,21 +52,20 @@ class _Request:
         self.runs: list[tuple[int, int]] = []
 
 
+@dataclass
 class _Span:
-    """Steps planned at once: from `t_start`, a prefill of `prefill_s`, then `n` decode steps of `rows`
-    rows from `context` tokens in their caches (`stall0`: the loop's `stall_s` then). `attended`: the
-    padded attention span of the rows at the first step, in tokens (0 unless the cost has that term);
-    `decode_s`: the n decode steps' time (without prefill and stalls); `poked_at`: when a change last cut
-    the span (more changes at that instant cut it at the same step)."""
-
-    __slots__ = ("t_start", "rows", "context", "prefill_s", "n", "stall0", "attended", "decode_s", "poked_at")
-
-    def __init__(self, t_start: float, rows: int, context: int, prefill_s: float, n: int, stall0: float,
-                 attended: float = 0.0):
-        self.t_start, self.rows, self.context, self.prefill_s = t_start, rows, context, prefill_s
-        self.n, self.stall0, self.attended = n, stall0, attended
-        self.decode_s = 0.0
-        self.poked_at = -1.0
+    t_start: float
+    rows: int
+    context: int
+    prefill_s: float
+    n: int
+    stall0: float
+    attended: float = 0.0
+    """Padded attention span of the rows at the first step, in tokens (0 unless the cost has that term)."""
+    decode_s: float = 0.0
+    """The n decode steps' time (without prefill and stalls)."""
+    poked_at: float = -1.0
+    """When a change last cut the span (more changes at that instant cut it at the same step)."""
 
 
 class SimEngine:
@@ -78,16 +78,12 @@ class SimEngine:
         self.park_slots, self.stale_kv_versions = park_slots, stale_kv_versions
         self.version = self.next_version = version
         self.loop = asyncio.get_event_loop()
-        self._at = getattr(self.loop, "timer", None) or self.loop.call_at
-        """`_at(when, callback)`: the virtual loop's lean timer, whose exception stops the simulation
-        (`call_at` on another loop, whose handler logs it)."""
         self.steps = 0
         self.context = 0
         """Tokens in the running rows' caches after `steps` steps."""
         self.running: dict[str, _Request] = {}
         """By admission, oldest first (the newest is retracted first)."""
         self.finish_heap: list[tuple[int, int, str]] = []
-        """(step it finishes at, admission number, request id) per admission (stale once it left the batch)."""
         self.waiting: deque[_Request] = deque()
         self.aborting: dict[str, bool] = {}
         self.parked: OrderedDict[tuple[str, int], int] = OrderedDict()
@@ -181,7 +177,7 @@ class SimEngine:
     def _poke(self) -> None:
         """Something changed: handle it at the end of the step in progress (now, if idle)."""
         if self.timer is None:
-            self.timer = self._at(max(self.loop.time(), self.t_free), self._boundary)
+            self.timer = self.loop.call_at(max(self.loop.time(), self.t_free), self._boundary)
             return
         s, now = self.span, self.loop.time()
         if s is None or s.n <= 1 or s.poked_at == now:
@@ -193,7 +189,7 @@ class SimEngine:
         if done + 1 < s.n:
             self._set_steps(s, done + 1)
             self.timer.cancel()
-            self.timer = self._at(self._span_end(s), self._boundary)
+            self.timer = self.loop.call_at(self._span_end(s), self._boundary)
 
     def _set_steps(self, s: _Span, n: int) -> None:
         s.n = n
@@ -219,7 +215,7 @@ class SimEngine:
         if s is not None:
             end = self._span_end(s)
             if end > self.loop.time() + 1e-12:  # the thread was held up meanwhile: the span ends later
-                self.timer = self._at(end, self._boundary)
+                self.timer = self.loop.call_at(end, self._boundary)
                 return
             self._advance(s, end)
         self._retire()
@@ -232,29 +228,26 @@ class SimEngine:
 
     def _advance(self, s: _Span, end: float) -> None:
         self.span = None
-        n, rows, busy = s.n, s.rows, end - s.t_start
-        tokens = rows * n
-        self.steps += n
-        self.context += tokens
-        if self.context > self.peak_context:
-            self.peak_context = self.context
-        self.num_generated += tokens
-        self.busy_s += busy
-        self.row_seconds += rows * busy
-        self.num_steps += n
-        self.row_steps += tokens
-        self.context_steps += s.context * n + tokens * (n - 1) // 2
+        self.steps += s.n
+        self.context += s.rows * s.n
+        self.peak_context = max(self.peak_context, self.context)
+        self.num_generated += s.rows * s.n
+        self.busy_s += end - s.t_start
+        self.row_seconds += s.rows * (end - s.t_start)
+        self.num_steps += s.n
+        self.row_steps += s.rows * s.n
+        self.context_steps += s.context * s.n + s.rows * s.n * (s.n - 1) // 2
         if s.attended:
-            self.attended_steps += s.attended * n + rows * self.block * n * (n - 1) / 2
-        self.occupancy.append((end, rows))
+            self.attended_steps += s.attended * s.n + s.rows * self.block * s.n * (s.n - 1) / 2
+        self.occupancy.append((end, s.rows))
         self.t_free = end
 
     def _retire(self) -> None:
         """Resolve finished rows, then aborted ones (with their tokens so far)."""
-        heap, steps = self.finish_heap, self.steps
-        while heap and heap[0][0] <= steps:
-            r = self.running.get(heapq.heappop(heap)[2])
-            if r is not None and r.start + r.todo == steps:
+        while self.finish_heap and self.finish_heap[0][0] <= self.steps:
+            _, _, rid = heapq.heappop(self.finish_heap)
+            r = self.running.get(rid)
+            if r is not None and r.start + r.todo == self.steps:
                 self._remove(r)
                 self._resolve(r, r.reason)
         for rid, park in self.aborting.items():
@@ -299,9 +292,6 @@ class SimEngine:
         r.fut.set_result(GenerateOutput(r.request_id, [r.token] * n, [-1.0] * n, versions, reason))
 
     def _admit(self) -> None:
-        if not self.waiting:
-            self._prefill_s = 0.0
-            return
         prefill, inputs, admitted, restored = 0, [], 0, 0
         while self.waiting and len(self.running) < self.cap:
             r = self.waiting[0]
@@ -348,7 +338,7 @@ class SimEngine:
         self.span = _Span(start, rows, self.context, self._prefill_s, n, self.loop.stall_s,
                           self._attended() if self.span_class else 0.0)
         self._set_steps(self.span, n)
-        self.timer = self._at(self._span_end(self.span), self._boundary)
+        self.timer = self.loop.call_at(self._span_end(self.span), self._boundary)
 
     def _retract(self) -> None:
         r = self.running[next(reversed(self.running))]

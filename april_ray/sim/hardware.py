@@ -136,15 +136,6 @@ class StepCost:
         padded span, from `attended` at the first step)."""
         if n <= 0:
             return 0.0
-        if len(self.terms) == 2:  # the GPU roofline (memory, compute): the hot path of a large simulation
-            total = self._two_lines(rows, context, n)
-        else:
-            total = self._lines(rows, context, n)
-        if self.per_attended:
-            total += self.per_attended * (attended * n + rows * n * (n - 1) / 2)
-        return total
-
-    def _lines(self, rows: int, context: float, n: int) -> float:
         lines = [(a + b * rows + c * context, c * rows) for a, b, c in self.terms]  # step j: u + v * j
         cuts = [0, n]  # steps j in [cut, next cut): one line is the largest
         for i, (u1, v1) in enumerate(lines):
@@ -160,22 +151,8 @@ class StepCost:
                 u, v = max(lines, key=lambda l: l[0] + l[1] * mid)
                 k = j1 - j0
                 total += k * u + v * (j0 * k + k * (k - 1) / 2)
-        return total
-
-    def _two_lines(self, rows: int, context: float, n: int) -> float:
-        """`_lines` for two terms, the same arithmetic without its lists (equal results to the bit)."""
-        (a1, b1, c1), (a2, b2, c2) = self.terms
-        u1, v1, u2, v2 = a1 + b1 * rows + c1 * context, c1 * rows, a2 + b2 * rows + c2 * context, c2 * rows
-        cut = n
-        if v1 != v2 and 0 < (x := (u2 - u1) / (v1 - v2)) < n:
-            cut = math.ceil(x)
-        total = self.t0 * n
-        for j0, j1 in ((0, cut), (cut, n)):
-            if j1 > j0:
-                mid = (j0 + j1 - 1) / 2
-                u, v = (u1, v1) if u1 + v1 * mid >= u2 + v2 * mid else (u2, v2)
-                k = j1 - j0
-                total += k * u + v * (j0 * k + k * (k - 1) / 2)
+        if self.per_attended:
+            total += self.per_attended * (attended * n + rows * n * (n - 1) / 2)
         return total
 
     def steps_within(self, rows: int, context: float, n: int, seconds: float, attended: float = 0.0) -> int:

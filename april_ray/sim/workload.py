@@ -68,12 +68,8 @@ class LengthModel:
         self.row_keys = sorted(self.rows)
         self.by_sample = by_sample or {}
 
-    @functools.lru_cache(maxsize=1 << 17)  # for callers without a cache of their own (`Workload` has one)
+    @functools.lru_cache(maxsize=1 << 17)  # a sample's length is looked up at every call that carries it
     def __call__(self, row: int, sample_key: str) -> int:
-        return self.draw(row, sample_key)
-
-    def draw(self, row: int, sample_key: str) -> int:
-        """`self(row, sample_key)` without its cache (for callers that keep their own)."""
         if sample_key in self.by_sample:
             return self.by_sample[sample_key]
         if self.family == "task":
@@ -150,7 +146,7 @@ class Workload:
     def _drawn(self, row: int, key: str) -> tuple[int, int, int]:
         """(the sample's drawn length in blocks, the token id its blocks carry, its prompt's blocks)."""
         rewarded = sample_index(key) == 0 and not self.filtered(row)
-        return self.blocks(self.lengths.draw(row, key)), int(rewarded), self.blocks(self.prompt_lens[row])
+        return self.blocks(self.lengths(row, key)), int(rewarded), self.blocks(self.prompt_lens[row])
 
     @functools.lru_cache(maxsize=1 << 16)
     def filtered(self, row: int) -> bool:
@@ -159,7 +155,7 @@ class Workload:
 
     def response_len(self, row: int, sample_key: str) -> int:
         """Blocks a sample ends with: its drawn length, capped by the budget."""
-        return min(self._drawn(row, sample_key)[0], self.max_response_blocks)
+        return min(self.blocks(self.lengths(row, sample_key)), self.max_response_blocks)
 
     @staticmethod
     def decode(ids: list[int]) -> str:
