@@ -199,6 +199,44 @@ def test_running_rows_capped_and_parked_cache_skips_the_prefill():
     assert again.num_tokens == 34 and prefilled == 0 and reused == 7 - 1  # the last input token is decoded
 
 
+def test_requests_held_back_by_the_prefill_budget_join_at_the_next_step():
+    """As the CPU engine's scheduler (and SGLang's) does: every step admits within its prefill budget, so
+    a request that did not fit one step's budget joins at the next, not at the next finish."""
+    async def main(loop):
+        e = SimEngine(FLAT, Lengths(50), max_num_seqs=8, kv_capacity=10_000, max_prefill_tokens=10)
+        tasks = [asyncio.ensure_future(e.generate(request(f"r{i}@0", done=5))) for i in range(3)]
+        ends = []
+        for t in tasks:
+            await t
+            ends.append(loop.time())
+        return ends
+
+    # 6 input blocks each, 10 a step: one request per step; each then has 45 blocks to go
+    assert run_virtual(main) == pytest.approx([0.45, 0.46, 0.47])
+
+
+def test_an_aborted_requests_finish_does_not_end_a_later_span():
+    """A request that left early (aborted) keeps its entry in the finish heap; the next span must run to
+    the next finish of a request still running, in one piece."""
+    def target(req):
+        return (30 if req.request_id.startswith("s") else 100) - (len(req.input_ids) - 1), 0
+
+    async def main(loop):
+        e = SimEngine(FLAT, target, max_num_seqs=8, kv_capacity=10_000, max_prefill_tokens=1000)
+        tasks = [asyncio.ensure_future(e.generate(request(f"s{i}@0"))) for i in range(4)]
+        await asyncio.sleep(0.105)
+        e.abort_all()
+        await asyncio.gather(*tasks)  # their finishes (step 30) stay in the heap
+        e.stats(drain=True)
+        t0 = loop.time()
+        out = await e.generate(request("l0@1"))
+        return out, loop.time() - t0, e.stats().occupancy
+
+    out, elapsed, spans = run_virtual(main)
+    assert out.num_tokens == 100 and elapsed == pytest.approx(1.0)
+    assert len(spans) == 1
+
+
 def test_padded_attention_is_the_cpu_engines_over_rows_grouped_by_span_class():
     """With a `per_attended` cost the simulated engine pads each row to the longest context of its span
     class, as the CPU engine's decode segments do once its rows are grouped by class."""

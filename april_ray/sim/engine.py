@@ -6,7 +6,8 @@ The real `EngineWorker` wraps it unchanged. What it keeps of a real engine:
   retracted to the front of the queue (its tokens kept, its cache dropped: it re-prefills, as SGLang's
   retraction does);
 - admission at step boundaries, prefill in the step that admits (at most `max_prefill_tokens` a step,
-  one input always), one token per running row per step, every token stamped with the weights' version;
+  one input always; what did not fit joins at the next step), one token per running row per step, every
+  token stamped with the weights' version;
 - abort: the step in progress completes, then the request returns its tokens so far (finish reason
   ABORT); a resumed request (prompt + earlier tokens, the remaining budget) continues from there. With
   `park_slots`, an aborted row's cache is kept (oldest evicted first; dropped once more than
@@ -101,6 +102,8 @@ class SimEngine:
         self.peak_context = 0
         self.occupancy: list[tuple[float, int]] = []
         self._seq = 0
+        self.prefill_full = False
+        """The last admission left requests waiting for want of prefill budget: the next step admits again."""
         self.span_class = None
         if cost.per_attended:
             from april_ray.engine.model_runner import span_bucket
@@ -293,6 +296,7 @@ class SimEngine:
 
     def _admit(self) -> None:
         prefill, inputs, admitted, restored = 0, [], 0, 0
+        self.prefill_full = False
         while self.waiting and len(self.running) < self.cap:
             r = self.waiting[0]
             hit = self.parked.get((r.key, r.input_len))
@@ -301,6 +305,7 @@ class SimEngine:
             if self.context + r.input_len + len(self.running) + 1 > self.kv_capacity:
                 break  # no room in the KV cache: it waits
             if inputs and prefill + cost > self.max_prefill:
+                self.prefill_full = True  # it joins at the next step, with the next step's budget
                 break
             self.waiting.popleft()
             admitted += 1
@@ -332,8 +337,14 @@ class SimEngine:
             assert rows > 1, "one sequence outgrew the KV cache (generate checks input + budget)"
             self._retract()
             rows -= 1
-        to_finish = self.finish_heap[0][0] - self.steps
-        n = max(1, min(to_finish, room))
+        heap, running = self.finish_heap, self.running
+        while True:  # entries of requests that left early (aborted, retracted) are dropped on reaching the top
+            end, _, rid = heap[0]
+            r = running.get(rid)
+            if r is not None and r.start + r.todo == end:
+                break
+            heapq.heappop(heap)
+        n = 1 if self.prefill_full else max(1, min(end - self.steps, room))
         start = self.t_free if continuing else max(self.t_free, self.loop.time())
         self.span = _Span(start, rows, self.context, self._prefill_s, n, self.loop.stall_s,
                           self._attended() if self.span_class else 0.0)
