@@ -143,6 +143,7 @@ def result_row(cfg, sim, gpus: int, engines: int, factor: float, sync: dict, apr
         "sync_control_plane_cpu_s_per_step": sync["control_plane_cpu_s_per_step"],
         "control_plane_share_of_rollout": april["control_plane_cpu_s_per_step"] / april["rollout_s"],
         "engine_side_cpu_s_per_step": april["engine_side_cpu_s_per_step"],
+        "sample_calls_per_step": april["sample_calls_per_step"], "sync_sample_calls_per_step": sync["sample_calls_per_step"],
         "lost_groups": april["lost_groups"] + sync["lost_groups"],
         "duplicated_samples": april["duplicated_samples"] + sync["duplicated_samples"],
         "samples_with_wrong_length": april["samples_with_wrong_length"] + sync["samples_with_wrong_length"],

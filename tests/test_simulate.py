@@ -356,6 +356,28 @@ def test_sixty_virtual_seconds_of_rollout_run_on_the_virtual_clock():
 
 
 # -- the job ---------------------------------------------------------------------------------------------
+def test_bench_simulation_counts_the_calls_each_schedule_makes():
+    """`jobs.bench.simulation`'s per-call figures rest on its counts: sync sends every sample of its N
+    groups once a step (nothing is filtered here); APRIL sends more (resumes), and one span ends per event;
+    the worker alone sends each sample of each round's groups once."""
+    from jobs.bench.simulation import schedule_cost, worker_alone
+    from april_ray.config import load_config
+    from april_ray.sim import study
+    from april_ray.sim.config import load_simulate_config
+
+    cfg = load_config(str(ROOT / "configs/qwen3_4b_dapo.yaml"), ["sampling.max_response_len=2048"])
+    sim = load_simulate_config(["simulate.length_median=300"])
+    sync = schedule_cost(cfg, sim, 8, None, steps=2, warmup=0)
+    april = schedule_cost(cfg, sim, 8, 2.0, steps=2, warmup=1)
+    assert sync["sample_calls_per_step"] == 32 * 8
+    assert april["sample_calls_per_step"] > 32 * 8
+    for r in (sync, april):
+        assert 0 < r["spans_per_call"] <= 2 and r["us_per_call"] == pytest.approx(
+            r["control_plane_us_per_call"] + r["rest_us_per_call"])
+    alone = worker_alone(study.gpu_setting(cfg, sim, 8), groups=16, n_samples=8, rounds=2)
+    assert alone["sample_calls"] == 2 * 16 * 8 and alone["us_per_call"] > 0
+
+
 def test_jobs_simulate_writes_the_promised_keys(tmp_path):
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
     cmd = [sys.executable, "-m", "jobs.simulate", "--config", "configs/qwen3_4b_dapo.yaml", "--gpus", "8,16",

@@ -150,7 +150,8 @@ class Schedule:
         return {"busy_s": e.busy_s, "row_seconds": e.row_seconds, "num_prefill": e.num_prefill,
                 "num_generated": e.num_generated, "num_retracted": e.num_retracted, "num_reused": e.num_reused,
                 "num_steps": e.num_steps, "row_steps": e.row_steps, "context_steps": e.context_steps,
-                "attended_steps": e.attended_steps}
+                "attended_steps": e.attended_steps,
+                "num_requests": e.num_requests, "num_spans": e.num_spans}
 
     def _engine_totals(self) -> dict[str, float]:
         """Engine counters summed over engines, over the measured steps."""
@@ -187,6 +188,8 @@ class Schedule:
             "store_groups_mean": sum(r.groups_stored for r in rs) / len(rs),
             "control_plane_cpu_s_per_step": sum(r.control_plane_cpu_s for r in rs) / len(rs),
             "engine_side_cpu_s_per_step": sum(r.process_cpu_s - r.control_plane_cpu_s for r in rs) / len(rs),
+            "sample_calls_per_step": c["num_requests"] / len(rs),
+            "engine_spans_per_step": c["num_spans"] / len(rs),
             "steps": len(rs),
             "lost_groups": 0,  # `_check` asserts it after every step
             "duplicated_samples": self.duplicated,

@@ -95,6 +95,8 @@ class SimEngine:
         self.num_generated = self.num_prefill = self.num_reused = self.num_retracted = 0
         self.busy_s = self.row_seconds = 0.0
         self.num_steps = self.row_steps = 0
+        self.num_requests = self.num_spans = 0
+        """Requests received; spans run (each ends at an event: the simulation's unit of engine work)."""
         self.context_steps = 0
         """Context per running row summed over rows and steps (over `row_steps`: the mean context)."""
         self.attended_steps = 0.0
@@ -121,6 +123,7 @@ class SimEngine:
             raise ValueError(f"request {request.request_id}: {len(request.input_ids)} blocks of input and up to "
                              f"{min(todo, budget)} new ones do not fit the KV cache of {self.kv_capacity} blocks")
         fut = self.loop.create_future()
+        self.num_requests += 1
         key = request.request_id.rpartition("@")[0] or request.request_id
         self.waiting.append(_Request(request.request_id, key, fut, len(request.input_ids), min(todo, budget),
                                      reason, token))
@@ -238,6 +241,7 @@ class SimEngine:
         self.busy_s += end - s.t_start
         self.row_seconds += s.rows * (end - s.t_start)
         self.num_steps += s.n
+        self.num_spans += 1
         self.row_steps += s.rows * s.n
         self.context_steps += s.context * s.n + s.rows * s.n * (s.n - 1) // 2
         if s.attended:

@@ -1,0 +1,136 @@
+"""Where the simulator's CPU goes, per sample call: a whole schedule, its control plane, and the engine
+worker's own path with an engine that answers at once.
+
+    python -m jobs.bench.simulation --config configs/qwen3_4b_dapo.yaml --gpus 64,1024 --json PATH
+        [--steps 2] [--warmup 1] [key=value ...] [simulate.key=value ...]
+
+For each GPU count, the schedules `jobs.simulate` runs (the synchronous baseline, and APRIL at the
+config's N'/N after `--warmup` steps), `--steps` measured steps each, with the clock off: the control
+plane's CPU does not pass on the virtual clock, so the schedule is the same whatever this machine's
+speed. Per schedule: CPU seconds per step, sample calls (requests to the engines) and engine spans
+(the simulated engines' units of work, one per event) per step, and CPU per sample call, split into
+the control plane's (monitor, source, store: their tasks' CPU) and the rest (engine workers, simulated
+engines, the event loop). Then the worker alone: N' groups of fresh samples through the real
+`LocalPool` and `EngineWorker`, on the same virtual loop, over an engine that answers every request at
+once with the sample's drawn length (the output's lists as long as the simulated engine's), CPU per
+sample call. `budget_us_per_call`: what a sample call may cost, at the calls per step measured here, for
+`jobs.simulate`'s 20 steps of both schedules (APRIL with its 3 warm-up steps) to take 2 minutes of CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+from jobs.common import write_result
+from april_ray.config import ConfigError, add_config_args, load_config
+from april_ray.rollout.engine_worker import EngineWorker
+from april_ray.rollout.local import LocalPool
+from april_ray.rollout.prompt_source import PromptSource
+from april_ray.sim import study
+from april_ray.sim.clock import run_virtual
+from april_ray.sim.cluster import InlineReward
+from april_ray.sim.config import load_simulate_config
+from april_ray.types import FinishReason, GenerateOutput, SamplingParams
+
+BAR_CPU_S = 120.0
+
+
+class InstantEngine:
+    """Answers each request at once: the sample's drawn blocks (at most its budget), finished, version 0."""
+
+    def __init__(self, workload):
+        self.workload = workload
+        self.num_requests = 0
+
+    def generate(self, request):
+        left, token = self.workload.target(request)
+        n = max(1, min(left, request.sampling.max_new_tokens))
+        self.num_requests += 1
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(GenerateOutput(request.request_id, [token] * n, [-1.0] * n, [0] * n, FinishReason.STOP))
+        return fut
+
+    def abort_all(self) -> int:
+        return 0
+
+
+def worker_alone(setting, groups: int, n_samples: int, rounds: int) -> dict:
+    """CPU per sample call of `LocalPool` + `EngineWorker` over `InstantEngine`s, `groups` groups a round
+    spread over the setting's engines, each group one call (as the monitor sends a fresh group)."""
+    wl = setting.workload
+
+    async def main(loop) -> tuple[float, int]:
+        engines = [InstantEngine(wl) for _ in range(setting.num_engines)]
+        workers = [EngineWorker(e, wl.decode, wl.reward, SamplingParams(max_new_tokens=wl.max_response_blocks))
+                   for e in engines]
+        for w in workers:
+            w.reward = InlineReward(wl.reward)
+        pool = LocalPool(workers, [setting.max_num_seqs] * setting.num_engines)
+        source = PromptSource(wl.examples(), wl.encode, n_samples, wl.max_response_blocks, setting.seed)
+        cpu = 0.0
+        for r in range(rounds):
+            batch = source.take(groups, r)
+            t0 = time.process_time()
+            calls = [pool.generate(i % len(workers), g.samples, ("bench", r))[0] for i, g in enumerate(batch)]
+            await asyncio.gather(*calls)
+            cpu += time.process_time() - t0
+        return cpu, sum(e.num_requests for e in engines)
+
+    cpu, calls = run_virtual(main)
+    return {"cpu_s": cpu, "sample_calls": calls, "us_per_call": cpu / calls * 1e6}
+
+
+def schedule_cost(cfg, sim, gpus: int, factor: float | None, steps: int, warmup: int) -> dict:
+    setting = study.gpu_setting(cfg, sim, gpus)
+    rollout = study.rollout_for(cfg, study.batch_for(cfg, setting.num_engines), factor)
+    r = study.run_schedule(setting, rollout, steps, warmup, "none", 1.0)
+    calls = r["sample_calls_per_step"]
+    total = r["control_plane_cpu_s_per_step"] + r["engine_side_cpu_s_per_step"]
+    return {"cpu_s_per_step": total, "sample_calls_per_step": calls, "engine_spans_per_step": r["engine_spans_per_step"],
+            "us_per_call": total / calls * 1e6,
+            "control_plane_us_per_call": r["control_plane_cpu_s_per_step"] / calls * 1e6,
+            "rest_us_per_call": r["engine_side_cpu_s_per_step"] / calls * 1e6,
+            "spans_per_call": r["engine_spans_per_step"] / calls}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser)
+    parser.add_argument("--gpus", default="64,1024", help="GPU counts, comma-separated")
+    parser.add_argument("--steps", type=int, default=2, help="measured steps per schedule")
+    parser.add_argument("--warmup", type=int, default=1, help="APRIL's steps before the measured ones")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_intermixed_args()
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be at least 1 and --warmup at least 0")
+    try:
+        cfg = load_config(args.config, [o for o in args.overrides if not o.startswith("simulate.")])
+        sim = load_simulate_config([o for o in args.overrides if o.startswith("simulate.")])
+    except ConfigError as e:
+        parser.error(str(e))
+    factor = cfg.rollout.over_sampling_batch_size / cfg.rollout.rollout_batch_size
+    t0 = time.time()
+    rows = []
+    for gpus in (int(g) for g in args.gpus.split(",")):
+        sync = schedule_cost(cfg, sim, gpus, None, args.steps, 0)
+        april = schedule_cost(cfg, sim, gpus, factor, args.steps, args.warmup)
+        setting = study.gpu_setting(cfg, sim, gpus)
+        groups = round(factor * study.batch_for(cfg, setting.num_engines))
+        worker = worker_alone(setting, groups, cfg.rollout.n_samples_per_prompt, rounds=2)
+        calls = april["sample_calls_per_step"] * (sim.steps + sim.warmup_steps) + sync["sample_calls_per_step"] * sim.steps
+        rows.append({"gpus": gpus, "factor": factor, "sync": sync, "april": april, "worker_alone": worker,
+                     "budget_us_per_call": BAR_CPU_S / calls * 1e6,
+                     "predicted_cpu_s": april["cpu_s_per_step"] * (sim.steps + sim.warmup_steps)
+                                        + sync["cpu_s_per_step"] * sim.steps})
+        a = april
+        print(f"gpus {gpus:5d}  APRIL {a['us_per_call']:.1f} us/call (control plane {a['control_plane_us_per_call']:.1f}, "
+              f"rest {a['rest_us_per_call']:.1f}; {a['spans_per_call']:.2f} spans/call)  sync {sync['us_per_call']:.1f}  "
+              f"worker alone {worker['us_per_call']:.1f}  budget {rows[-1]['budget_us_per_call']:.1f} us/call  "
+              f"-> jobs.simulate ~{rows[-1]['predicted_cpu_s']:.0f} s CPU", flush=True)
+    write_result(args.json, {"wall_s": time.time() - t0, "steps": args.steps, "warmup": args.warmup,
+                             "bar_cpu_s": BAR_CPU_S, "results": rows})
+
+
+if __name__ == "__main__":
+    main()
