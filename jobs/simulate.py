@@ -73,7 +73,31 @@ def parse() -> tuple:
     if args.print_config:
         print(to_yaml(cfg))
         raise SystemExit(0)
+    if sim.length_file:
+        from april_ray.sim.workload import load_lengths_file
+        try:
+            load_lengths_file(sim.length_file)
+        except ValueError as e:
+            parser.error(f"simulate.length_file: {e}")
+    tp = max(1, cfg.placement.engine_gpus)
+    args.gpus = number_list(parser, "--gpus", args.gpus, int, lambda g: g >= tp and g % tp == 0,
+                            f"multiples of placement.engine_gpus={tp} (GPUs per engine)")
+    default = cfg.rollout.over_sampling_batch_size / cfg.rollout.rollout_batch_size
+    args.factors = number_list(parser, "--factors", args.factors, float, lambda f: f >= 1, "N'/N of at least 1") \
+        if args.factors else [default]
     return cfg, sim, args
+
+
+def number_list(parser, flag: str, text: str, kind, ok, rule: str) -> list:
+    """A comma-separated list of numbers, each checked; a bad one stops the job with a message naming it."""
+    try:
+        values = [kind(x) for x in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag} {text}: expected comma-separated {kind.__name__} values ({rule})")
+    bad = [v for v in values if not ok(v)]
+    if bad:
+        parser.error(f"{flag}: {', '.join(map(str, bad))}: expected {rule}")
+    return values
 
 
 def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float], workers: int = 1) -> dict:
@@ -221,10 +245,7 @@ def main() -> None:
         result = calibrate(cfg, sim, json.loads(Path(args.cpu_costs).read_text()),
                            json.loads(Path(args.measured).read_text()))
     else:
-        gpus = [int(g) for g in args.gpus.split(",")]
-        factors = [float(f) for f in args.factors.split(",")] if args.factors else \
-            [cfg.rollout.over_sampling_batch_size / cfg.rollout.rollout_batch_size]
-        result = simulate_gpus(cfg, sim, gpus, factors, args.workers) | {"workers": args.workers}
+        result = simulate_gpus(cfg, sim, args.gpus, args.factors, args.workers) | {"workers": args.workers}
         if args.plot:
             plot(result["results"], args.plot)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -3,6 +3,7 @@ rollout on simulated engines, and `jobs.simulate`'s output."""
 import asyncio
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -353,6 +354,48 @@ def test_sixty_virtual_seconds_of_rollout_run_on_the_virtual_clock():
     assert now >= 60.0 and len(s.records) >= 3
     assert sum(r.wall_s for r in s.records) == pytest.approx(now, rel=1e-6)
     assert s.summary(1.0)["duplicated_samples"] == s.summary(1.0)["samples_with_wrong_length"] == 0
+
+
+def test_a_step_served_whole_from_the_stores_surplus_is_timed_on_the_virtual_clock():
+    """Short responses and N'/N = 4: some steps find N complete groups in the store and dispatch nothing;
+    on the virtual clock such a step lasts the monitor's CPU (no division by a zero wall)."""
+    async def main(loop):
+        loop.clocked.add(CONTROL_PLANE)
+        lengths = LengthModel("histogram", 1, 1.0, 0.0, seed=0, histogram=[2, 3, 4])
+        s = Schedule("x", small_setting(lengths=lengths), rollout(n=2, factor=4.0), loop)
+        await s.run(6, 0)
+        return s, loop.time()
+
+    s, now = run_virtual(main)
+    assert any(r.generated == 0 for r in s.records)  # served from the surplus
+    assert all(r.wall_s > 0 for r in s.records) and sum(r.wall_s for r in s.records) == pytest.approx(now)
+
+
+def test_bad_input_to_the_simulator_names_the_flag_or_the_entry(tmp_path):
+    import argparse
+
+    from jobs.simulate import number_list
+    from april_ray.sim.workload import load_lengths_file
+
+    path = tmp_path / "lengths.json"
+    for content, where in [({"lengths": [1, 2, "x"]}, "lengths[2]"), ({"lengths": [5, 0]}, "lengths[1]"),
+                           ({"by_row": {"3": [5, 2.5]}}, "by_row['3'][1]"), ({"by_row": {"a": [1]}}, "by_row key 'a'"),
+                           ({"by_row": {"3": 5}}, "by_row['3']"), ([1, 2], "expected an object")]:
+        path.write_text(json.dumps(content))
+        with pytest.raises(ValueError, match=re.escape(f"response lengths file {path}: {where}")):
+            load_lengths_file(str(path))
+    path.write_text(json.dumps({"by_row": {"3": [5, 6]}, "lengths": [100, 200]}))
+    assert load_lengths_file(str(path)) == ([100, 200], {3: [5, 6]})
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise ValueError(message)
+
+    gpus = dict(kind=int, ok=lambda g: g >= 2 and g % 2 == 0, rule="multiples of 2")
+    assert number_list(Parser(), "--gpus", "8,16", **gpus) == [8, 16]
+    for text, message in [("8,x", "--gpus 8,x: expected comma-separated int"), ("8,7,0", "--gpus: 7, 0: expected")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            number_list(Parser(), "--gpus", text, **gpus)
 
 
 # -- the job ---------------------------------------------------------------------------------------------

@@ -293,8 +293,9 @@ class CompletionMonitor:
             "rollout/store_s": store_s,
             "rollout/generated_tokens": s.generated_tokens,
             "rollout/trained_tokens": trained,
-            "rollout/effective_tok_s": trained / wall,
-            "rollout/generated_tok_s": s.generated_tokens / wall,
+            # (on a virtual clock, a step served whole from the store's surplus can take 0 s)
+            "rollout/effective_tok_s": trained / wall if wall > 0 else 0.0,
+            "rollout/generated_tok_s": s.generated_tokens / wall if wall > 0 else 0.0,
             "rollout/off_policy_token_ratio": off_policy / max(1, trained),
             "rollout/staleness_max": max((a for a, c in staleness.items() if c), default=0),
             "rollout/staleness_mean": sum(a * c for a, c in staleness.items()) / max(1, trained),

@@ -106,11 +106,28 @@ def load_lengths_file(path: str) -> tuple[list[int], dict[int, list[int]]]:
     by_row = data.get("by_row", {}) if isinstance(data, dict) else None
     if flat is None or not isinstance(flat, list) or not isinstance(by_row, dict) or not (flat or by_row):
         raise ValueError(f"response lengths file {path}: expected an object with a 'lengths' list or a 'by_row' map")
-    rows = {int(k): [int(x) for x in v] for k, v in by_row.items()}
-    flat = [int(x) for x in flat] or [x for v in rows.values() for x in v]
-    if min(flat) < 1 or any(not v for v in rows.values()):
-        raise ValueError(f"response lengths file {path}: lengths must be >= 1 and rows non-empty")
+    rows = {}
+    for k, v in by_row.items():
+        if not isinstance(v, list) or not v:
+            _fail(path, f"by_row[{k!r}]: expected a non-empty list of lengths, got {v!r:.40}")
+        rows[_integer(path, f"by_row key {k!r}", k, 0)] = [_integer(path, f"by_row[{k!r}][{i}]", x) for i, x in enumerate(v)]
+    flat = [_integer(path, f"lengths[{i}]", x) for i, x in enumerate(flat)] or [x for v in rows.values() for x in v]
     return flat, rows
+
+
+def _fail(path: str, what: str):
+    raise ValueError(f"response lengths file {path}: {what}")
+
+
+def _integer(path: str, where: str, value, minimum: int = 1) -> int:
+    """An integer of at least `minimum` (or a string of one, as JSON object keys are), else a ValueError
+    naming the entry."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or int(value) < minimum:
+            raise ValueError
+        return int(value)
+    except ValueError:
+        _fail(path, f"{where}: expected an integer of at least {minimum}, got {value!r:.40}")
 
 
 class Workload:
