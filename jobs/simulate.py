@@ -11,7 +11,9 @@ source, partial-rollout store and engine workers of the training job, on engines
 the accelerator's roofline and whose responses end at lengths drawn from `simulate.length_*`
 (april_ray/sim/config.py; every constant is listed under `assumptions` in the JSON). The simulated engines
 replace the configured backend (`engine.backend` and the server's settings are not used, except
-`engine.mem_fraction`, the share of memory for weights and KV cache). Every schedule runs on its own
+`engine.mem_fraction`, the share of memory for weights and KV cache). Throughput, and with it
+utilization and speedup, counts the response tokens the learner trains: those of the returned groups,
+less those its staleness mask drops (`masked_token_ratio`; staleness.policy mask or restart). Every schedule runs on its own
 virtual loop, so `--workers N` runs N of them side by side in as many processes, the largest first: the
 same results (but for the measured control-plane CPU, which passes on the virtual clock) in about the
 time of the longest schedule, given N free cores. `cpu_s` in the JSON counts every process's CPU.
@@ -153,10 +155,11 @@ def result_row(cfg, sim, gpus: int, engines: int, factor: float, sync: dict, apr
     return {
         "gpus": gpus, "engines": engines, "factor": factor,
         "rollout_batch_size": april["rollout_batch_size"], "over_sampling_batch_size": april["over_sampling_batch_size"],
-        "sync_utilization": sync["utilization"], "april_utilization": april["utilization"],
-        "speedup": april["effective_tok_s"] / sync["effective_tok_s"],
-        "sync_tok_s": sync["effective_tok_s"], "april_tok_s": april["effective_tok_s"],
+        "sync_utilization": sync["unmasked_utilization"], "april_utilization": april["unmasked_utilization"],
+        "speedup": april["unmasked_tok_s"] / sync["unmasked_tok_s"],
+        "sync_tok_s": sync["unmasked_tok_s"], "april_tok_s": april["unmasked_tok_s"],
         "off_policy_token_ratio": april["off_policy_token_ratio"], "staleness_hist": april["staleness_hist"],
+        "masked_token_ratio": april["masked_token_ratio"],
         "step_s": step_s, "sync_step_s": sync_step_s, "step_speedup": sync_step_s / step_s,
         "rollout_s": april["rollout_s"], "sync_rollout_s": sync["rollout_s"], "learner_s": april_learn,
         "weight_sync_s": ws,
@@ -197,6 +200,7 @@ def control_plane_limit(rows: list[dict], factors: list[float]) -> dict:
 def format_row(r: dict) -> str:
     return (f"gpus {r['gpus']:5d}  N'/N {r['factor']:<4g} sync {r['sync_utilization']:.3f}  APRIL "
             f"{r['april_utilization']:.3f}  speedup {r['speedup']:.2f}  off-policy {r['off_policy_token_ratio']:.2f}  "
+            f"masked {r['masked_token_ratio']:.3f}  "
             f"step {r['step_s']:.0f} s (sync {r['sync_step_s']:.0f})  KV peak {r['kv_peak_gb']:.1f} GB  "
             f"control plane {r['control_plane_cpu_s_per_step']:.3f} s/step  [sim {r['sim_cpu_s']:.1f} s CPU]")
 

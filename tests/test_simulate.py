@@ -281,10 +281,10 @@ def test_parked_caches_past_the_staleness_bound_free_their_slots():
 
 
 # -- the real rollout on simulated engines --------------------------------------------------------------
-def small_setting(cost=FLAT, engines=2, lengths=None, block=1, max_len=400) -> Setting:
+def small_setting(cost=FLAT, engines=2, lengths=None, block=1, max_len=400, staleness=None) -> Setting:
     lengths = lengths or LengthModel("lognormal", 40, 1.0, 0.5, seed=0)
     wl = Workload(lengths, [8] * 500, block, max_len)
-    return Setting(wl, cost, engines, 16, 100_000, 4096, StalenessConfig(4, "keep"))
+    return Setting(wl, cost, engines, 16, 100_000, 4096, staleness or StalenessConfig(4, "keep"))
 
 
 def rollout(n=4, factor=None, dynamic_filter=False):
@@ -354,6 +354,25 @@ def test_sixty_virtual_seconds_of_rollout_run_on_the_virtual_clock():
     assert now >= 60.0 and len(s.records) >= 3
     assert sum(r.wall_s for r in s.records) == pytest.approx(now, rel=1e-6)
     assert s.summary(1.0)["duplicated_samples"] == s.summary(1.0)["samples_with_wrong_length"] == 0
+
+
+def test_tokens_the_learners_staleness_mask_drops_do_not_count_as_throughput():
+    """Under staleness.policy mask, tokens older than max_versions reach the learner and are masked out of
+    the loss: the simulated throughput leaves them out (`unmasked_*`); under keep every token counts."""
+    def summary(policy):
+        async def main(loop):
+            s = Schedule("x", small_setting(staleness=StalenessConfig(1, policy)), rollout(factor=3.0), loop)
+            await s.run(8, 2)
+            return s.summary(1.0)
+
+        return run_virtual(main)
+
+    masked, kept = summary("mask"), summary("keep")
+    assert kept["masked_token_ratio"] == 0 and kept["unmasked_tok_s"] == kept["effective_tok_s"]
+    ages = {int(a): share for a, share in masked["staleness_hist"].items()}
+    assert masked["masked_token_ratio"] > 0
+    assert masked["masked_token_ratio"] == pytest.approx(sum(v for a, v in ages.items() if a > 1), abs=1e-3)
+    assert masked["unmasked_tok_s"] == pytest.approx(masked["effective_tok_s"] * (1 - masked["masked_token_ratio"]))
 
 
 def test_a_step_served_whole_from_the_stores_surplus_is_timed_on_the_virtual_clock():

@@ -160,7 +160,9 @@ class Schedule:
         return {k: sum(self._counters(e)[k] - b[k] for e, b in zip(self.engines, self.base)) for k in self.base[0]}
 
     def summary(self, ceiling_per_engine: float) -> dict:
-        """Figures over the measured steps, in tokens (blocks x block) and virtual seconds."""
+        """Figures over the measured steps, in tokens (blocks x block) and virtual seconds. `effective_tok_s`
+        and `utilization` count the response tokens of the returned groups, as the benchmarks do; the
+        `unmasked_` ones leave out those the learner's staleness mask drops (`masked_token_ratio`)."""
         rs, block, e = self.records, self.setting.workload.block, self.setting.num_engines
         wall = sum(r.wall_s for r in rs)
         trained = sum(r.trained for r in rs)
@@ -169,10 +171,15 @@ class Schedule:
             for age, c in r.staleness.items():
                 hist[age] = hist.get(age, 0) + c
         off = sum(c for age, c in hist.items() if age > 0)
+        limit = self.setting.staleness.mask_older_than  # the learner drops these tokens from the loss
+        masked = sum(c for age, c in hist.items() if 0 <= limit < age)
         c = self._engine_totals()
         return {
             "effective_tok_s": trained * block / wall,
             "utilization": trained / wall / (ceiling_per_engine * e),
+            "unmasked_tok_s": (trained - masked) * block / wall,
+            "unmasked_utilization": (trained - masked) / wall / (ceiling_per_engine * e),
+            "masked_token_ratio": masked / max(1, trained),
             "rollout_s": wall / len(rs),
             "trained_tokens_per_step": trained * block / len(rs),
             "train_tokens_per_step": sum(r.trained_with_prompts for r in rs) * block / len(rs),

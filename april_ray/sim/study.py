@@ -149,6 +149,9 @@ def assumptions(cfg: Config, sim: SimulateConfig, setting: Setting) -> dict:
                          "core: their CPU (process time) is measured per step and passes on the virtual clock "
                          "(latency: completions that arrive meanwhile wait for the monitor), engines unaffected",
         "ceiling": "one engine kept full at max_num_seqs (and its KV cache) on the same length mix, x engines",
+        "throughput": "response tokens of the returned groups per rollout second, less those the learner's "
+                      f"staleness mask drops (older than {cfg.staleness.mask_older_than} versions; -1: none, "
+                      "staleness.policy=keep): utilization, speedup and tok/s count these",
         "staleness": {"max_versions": cfg.staleness.max_versions, "policy": cfg.staleness.policy},
         "steps": {"measured": sim.steps, "warmup (APRIL only; sync carries nothing over)": sim.warmup_steps},
     }
