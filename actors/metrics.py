@@ -53,10 +53,6 @@ def metric(name: str):
     return kind(name, description, tag_keys=tag_keys)
 
 
-def mode_of(partial_rollout: bool) -> str:
-    return "april" if partial_rollout else "sync"
-
-
 class EngineMetrics:
     """An engine actor's metrics. Its window for the step opens at the step's first call and ends with its
     last result; `record` closes it when the driver drains the engine's statistics after the rollout."""
@@ -132,9 +128,9 @@ def shares(hist: dict[int, int], units: int = STALENESS_OBSERVATIONS) -> dict[in
 class MonitorMetrics:
     """The completion monitor actor's, from a step's result and the engines it still has."""
 
-    def __init__(self, partial_rollout: bool, num_engines: int):
-        self.mode = {"mode": mode_of(partial_rollout)}
-        self.aborts = partial_rollout  # the synchronous baseline never aborts
+    def __init__(self, rollout, num_engines: int):
+        self.mode = {"mode": rollout.schedule}
+        self.aborts = self.mode["mode"] != "sync"  # the synchronous baseline never aborts
         self.abort_latency = metric("april_abort_latency_seconds")
         self.off_policy = metric("april_rollout_off_policy_token_ratio")
         self.staleness = metric("april_trained_token_staleness_versions")
@@ -166,8 +162,8 @@ class DriverMetrics:
 
     PHASES = ("rollout", "learner", "weight_sync", "eval")
 
-    def __init__(self, partial_rollout: bool):
-        self.mode = {"mode": mode_of(partial_rollout)}
+    def __init__(self, rollout):
+        self.mode = {"mode": rollout.schedule}
         self.phase = metric("april_step_phase_seconds")
         self.reward = metric("april_reward_mean")
         self.accuracy = metric("april_eval_accuracy")

@@ -51,7 +51,7 @@ class RayEnginePool:
 class CompletionMonitorActor:
     def __init__(self, cfg: RolloutConfig, engines, capacities: list[int], source, store):
         self.monitor = CompletionMonitor(cfg, RayEnginePool(engines, capacities), RayProxy(source), RayProxy(store))
-        self.metrics = MonitorMetrics(cfg.partial_rollout, len(engines))
+        self.metrics = MonitorMetrics(cfg, len(engines))
 
     async def step(self, step: int, version: int):
         result = await self.monitor.step(step, version)

@@ -184,6 +184,11 @@ class RolloutConfig:
     n_samples_per_prompt: int = positive(8)
     partial_rollout: bool = True
     """true: APRIL (over-provision, interrupt, recycle). false: the synchronous baseline."""
+    discard_unfinished: bool = False
+    """Only with partial_rollout false: the baseline over-provisions as slime's rollout does without partial
+    rollout (the APRIL paper's baseline): N' groups start the step, and once N are complete the unfinished
+    ones are aborted and discarded with their tokens (their prompts are not retried), as are complete
+    groups beyond N. false: the baseline keeps N groups in flight and discards nothing."""
     dynamic_filter: bool = False
     """DAPO dynamic sampling: drop complete groups whose rewards all agree, and refill their slots."""
     max_filtered_groups: int = positive(256)
@@ -193,6 +198,11 @@ class RolloutConfig:
     engine_wait_s: float = positive(600.0)
     """With every engine dead mid-step, wait this long for one to be restarted and handed back (with the
     current weights) before the step fails, its samples stored."""
+
+    @property
+    def schedule(self) -> str:
+        """april, oversample (the over-provisioned baseline, `discard_unfinished`) or sync."""
+        return "april" if self.partial_rollout else "oversample" if self.discard_unfinished else "sync"
 
 
 @dataclass
@@ -354,6 +364,9 @@ def _check_across(cfg: Config) -> None:
         raise ConfigError("learner.num_ranks: colocation puts each rank in an engine's bundle; "
                           "needs learner.num_ranks <= engine.num_engines")
     r = cfg.rollout
+    if r.discard_unfinished and r.partial_rollout:
+        raise ConfigError("rollout.discard_unfinished: the over-provisioned baseline needs rollout.partial_rollout=false "
+                          "(APRIL recycles what it interrupts)")
     if r.over_sampling_batch_size < r.rollout_batch_size:
         raise ConfigError(f"rollout.over_sampling_batch_size: must be >= rollout.rollout_batch_size "
                           f"({r.over_sampling_batch_size} < {r.rollout_batch_size})")

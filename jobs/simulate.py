@@ -6,14 +6,18 @@ simulated engines (april_ray/sim/), from a few GPUs to a thousand.
     python -m jobs.simulate --config configs/tiny_cpu.yaml --measure-cpu docs/benchmarks/simulate_cpu.json
     python -m jobs.simulate --config configs/tiny_cpu.yaml --calibrate --json PATH
 
-For each GPU count: the synchronous baseline and APRIL at each N'/N, with the completion monitor, prompt
-source, partial-rollout store and engine workers of the training job, on engines whose step costs follow
+For each GPU count: the synchronous baseline (N groups in flight), and at each N'/N APRIL and the
+over-provisioned baseline (slime's rollout without partial rollout, the APRIL paper's baseline: N' groups
+start the step, the unfinished ones are discarded at the N-th complete group), with the completion
+monitor, prompt source, partial-rollout store and engine workers of the training job, on engines whose step costs follow
 the accelerator's roofline and whose responses end at lengths drawn from `simulate.length_*`
 (april_ray/sim/config.py; every constant is listed under `assumptions` in the JSON). The simulated engines
 replace the configured backend (`engine.backend` and the server's settings are not used, except
 `engine.mem_fraction`, the share of memory for weights and KV cache). Throughput, and with it
 utilization and speedup, counts the response tokens the learner trains: those of the returned groups,
-less those its staleness mask drops (`masked_token_ratio`; staleness.policy mask or restart). Every schedule runs on its own
+less those its staleness mask drops (`masked_token_ratio`; staleness.policy mask or restart); the
+`sample_speedup`s compare samples per rollout second instead (every schedule returns N groups a step; the
+over-provisioned baseline returns the N that finish first, the shortest). Every schedule runs on its own
 virtual loop, so `--workers N` runs N of them side by side in as many processes, the largest first: the
 same results (but for the measured control-plane CPU, which passes on the virtual clock) in about the
 time of the longest schedule, given N free cores. `cpu_s` in the JSON counts every process's CPU.
@@ -103,29 +107,30 @@ def number_list(parser, flag: str, text: str, kind, ok, rule: str) -> list:
 
 
 def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float], workers: int = 1) -> dict:
-    """Every GPU count's synchronous baseline and APRIL at each factor, each schedule on its own virtual
-    loop: with `workers` > 1 they run side by side in that many processes (largest first), and each
-    schedule's CPU figures are its own process's."""
+    """Every GPU count's synchronous baseline, and APRIL and the over-provisioned baseline at each factor,
+    each schedule on its own virtual loop: with `workers` > 1 they run side by side in that many processes
+    (largest first), and each schedule's CPU figures are its own process's."""
     # every engine is alike, whatever their number
     ceiling = study.ceiling_of(study.gpu_setting(cfg, sim, gpus[0]), cfg.rollout.n_samples_per_prompt)
-    jobs = [(g, f) for g in gpus for f in (None, *factors)]
+    jobs = [job for g in gpus for job in [(g, None, "sync")] + [(g, f, k) for f in factors for k in ("april", "oversample")]]
     pool = None
     if workers > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-        # the largest first: the run ends about when its longest schedule does
+        # the largest first (APRIL, with its warm-up, first among equals): the run ends about when its
+        # longest schedule does
         futures = {job: pool.submit(run_one, cfg, sim, *job, ceiling)
-                   for job in sorted(jobs, key=lambda j: (j[0], j[1] is not None), reverse=True)}
+                   for job in sorted(jobs, key=lambda j: (j[0], j[2] == "april"), reverse=True)}
     results, rows = {}, []
     try:
         for job in jobs:  # in order: a GPU count's rows as soon as its schedules are done
             results[job] = futures[job].result() if pool else run_one(cfg, sim, *job, ceiling)
-            g, f = job
-            if f is not None:
-                april = results[job]
-                rows.append(result_row(cfg, sim, g, april["engines"], f, results[g, None], april))
+            g, f, kind = job
+            if kind == "oversample":
+                april = results[g, f, "april"]
+                rows.append(result_row(cfg, sim, g, april["engines"], f, results[g, None, "sync"], april, results[job]))
                 print(format_row(rows[-1]), flush=True)
     finally:
         if pool:  # on a failure, the schedules not started yet are dropped
@@ -136,34 +141,42 @@ def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float
             "control_plane_limit": control_plane_limit(rows, factors)}
 
 
-def run_one(cfg, sim: SimulateConfig, gpus: int, factor: float | None, ceiling: float) -> dict:
-    """One schedule at one GPU count: the synchronous baseline (`factor` None) or APRIL at N'/N = factor."""
+def run_one(cfg, sim: SimulateConfig, gpus: int, factor: float | None, schedule: str, ceiling: float) -> dict:
+    """One schedule (`study.SCHEDULES`) at one GPU count, at N'/N = factor (the synchronous baseline: N)."""
     setting = study.gpu_setting(cfg, sim, gpus)
     n = study.batch_for(cfg, setting.num_engines)
-    # sync carries nothing from one step to the next (no store, every engine drained): no warm-up
-    warmup = 0 if factor is None else sim.warmup_steps
-    return study.run_schedule(setting, study.rollout_for(cfg, n, factor), sim.steps, warmup, "latency", ceiling) \
-        | {"engines": setting.num_engines}
+    # only APRIL carries unfinished work from one step to the next (the store): the baselines need no warm-up
+    warmup = sim.warmup_steps if schedule == "april" else 0
+    rollout = study.rollout_for(cfg, n, factor, schedule)
+    return study.run_schedule(setting, rollout, sim.steps, warmup, "latency", ceiling) | {"engines": setting.num_engines}
 
 
-def result_row(cfg, sim, gpus: int, engines: int, factor: float, sync: dict, april: dict) -> dict:
-    sync_learn = study.learner_s(cfg, sim, gpus, sync["train_tokens_per_step"])
-    april_learn = study.learner_s(cfg, sim, gpus, april["train_tokens_per_step"])
+def result_row(cfg, sim, gpus: int, engines: int, factor: float, sync: dict, april: dict, over: dict) -> dict:
+    learn = {k: study.learner_s(cfg, sim, gpus, r["train_tokens_per_step"])
+             for k, r in (("sync", sync), ("april", april), ("over", over))}
     ws = study.weight_sync_s(cfg, sim)
     kv_bytes = study.model_spec(cfg.model.path).kv_bytes_per_token
-    step_s, sync_step_s = april["rollout_s"] + april_learn + ws, sync["rollout_s"] + sync_learn + ws
+    step_s = april["rollout_s"] + learn["april"] + ws
+    sync_step_s, over_step_s = sync["rollout_s"] + learn["sync"] + ws, over["rollout_s"] + learn["over"] + ws
     return {
         "gpus": gpus, "engines": engines, "factor": factor,
         "rollout_batch_size": april["rollout_batch_size"], "over_sampling_batch_size": april["over_sampling_batch_size"],
         "sync_utilization": sync["unmasked_utilization"], "april_utilization": april["unmasked_utilization"],
         "speedup": april["unmasked_tok_s"] / sync["unmasked_tok_s"],
         "sync_tok_s": sync["unmasked_tok_s"], "april_tok_s": april["unmasked_tok_s"],
+        "oversample_utilization": over["unmasked_utilization"], "oversample_tok_s": over["unmasked_tok_s"],
+        "speedup_vs_oversample": april["unmasked_tok_s"] / over["unmasked_tok_s"],
+        # every schedule returns N groups a step: samples per rollout second go as 1 / rollout time
+        "sample_speedup": sync["rollout_s"] / april["rollout_s"],
+        "sample_speedup_vs_oversample": over["rollout_s"] / april["rollout_s"],
+        "oversample_generated_per_trained": over["generated_per_trained"],
         "off_policy_token_ratio": april["off_policy_token_ratio"], "staleness_hist": april["staleness_hist"],
         "masked_token_ratio": april["masked_token_ratio"],
         "step_s": step_s, "sync_step_s": sync_step_s, "step_speedup": sync_step_s / step_s,
-        "rollout_s": april["rollout_s"], "sync_rollout_s": sync["rollout_s"], "learner_s": april_learn,
-        "weight_sync_s": ws,
-        "kv_peak_gb": max(april["kv_peak_tokens"], sync["kv_peak_tokens"]) * kv_bytes / 1e9,
+        "oversample_step_s": over_step_s, "step_speedup_vs_oversample": over_step_s / step_s,
+        "rollout_s": april["rollout_s"], "sync_rollout_s": sync["rollout_s"], "oversample_rollout_s": over["rollout_s"],
+        "learner_s": learn["april"], "weight_sync_s": ws,
+        "kv_peak_gb": max(april["kv_peak_tokens"], sync["kv_peak_tokens"], over["kv_peak_tokens"]) * kv_bytes / 1e9,
         "running_rows_mean": april["running_rows_mean"], "sync_running_rows_mean": sync["running_rows_mean"],
         "retractions": april["retractions"], "prefill_per_decoded": april["prefill_per_decoded"],
         "control_plane_cpu_s_per_step": april["control_plane_cpu_s_per_step"],
@@ -171,11 +184,12 @@ def result_row(cfg, sim, gpus: int, engines: int, factor: float, sync: dict, apr
         "control_plane_share_of_rollout": april["control_plane_cpu_s_per_step"] / april["rollout_s"],
         "engine_side_cpu_s_per_step": april["engine_side_cpu_s_per_step"],
         "sample_calls_per_step": april["sample_calls_per_step"], "sync_sample_calls_per_step": sync["sample_calls_per_step"],
-        "lost_groups": april["lost_groups"] + sync["lost_groups"],
-        "duplicated_samples": april["duplicated_samples"] + sync["duplicated_samples"],
-        "samples_with_wrong_length": april["samples_with_wrong_length"] + sync["samples_with_wrong_length"],
-        "sim_cpu_s": april["sim_cpu_s"] + sync["sim_cpu_s"],
-        "april_sim_cpu_s": april["sim_cpu_s"], "sync_sim_cpu_s": sync["sim_cpu_s"],
+        "lost_groups": april["lost_groups"] + sync["lost_groups"] + over["lost_groups"],
+        "duplicated_samples": april["duplicated_samples"] + sync["duplicated_samples"] + over["duplicated_samples"],
+        "samples_with_wrong_length": april["samples_with_wrong_length"] + sync["samples_with_wrong_length"]
+                                     + over["samples_with_wrong_length"],
+        "sim_cpu_s": april["sim_cpu_s"] + sync["sim_cpu_s"] + over["sim_cpu_s"],
+        "april_sim_cpu_s": april["sim_cpu_s"], "sync_sim_cpu_s": sync["sim_cpu_s"], "oversample_sim_cpu_s": over["sim_cpu_s"],
     }
 
 
@@ -200,7 +214,8 @@ def control_plane_limit(rows: list[dict], factors: list[float]) -> dict:
 def format_row(r: dict) -> str:
     return (f"gpus {r['gpus']:5d}  N'/N {r['factor']:<4g} sync {r['sync_utilization']:.3f}  APRIL "
             f"{r['april_utilization']:.3f}  speedup {r['speedup']:.2f}  off-policy {r['off_policy_token_ratio']:.2f}  "
-            f"masked {r['masked_token_ratio']:.3f}  "
+            f"masked {r['masked_token_ratio']:.3f}  over-sampled baseline {r['oversample_utilization']:.3f} "
+            f"(APRIL x{r['speedup_vs_oversample']:.2f} tokens/s, x{r['sample_speedup_vs_oversample']:.2f} samples/s)  "
             f"step {r['step_s']:.0f} s (sync {r['sync_step_s']:.0f})  KV peak {r['kv_peak_gb']:.1f} GB  "
             f"control plane {r['control_plane_cpu_s_per_step']:.3f} s/step  [sim {r['sim_cpu_s']:.1f} s CPU]")
 
@@ -215,9 +230,11 @@ def plot(rows: list[dict], path: str) -> None:
     for i, g in enumerate(sorted({r["gpus"] for r in rows})):
         rs = sorted((r for r in rows if r["gpus"] == g), key=lambda r: r["factor"])
         line, = ax.plot([r["factor"] for r in rs], [r["april_utilization"] for r in rs], "o-", label=f"APRIL, {g} GPUs")
+        ax.plot([r["factor"] for r in rs], [r["oversample_utilization"] for r in rs], "s--", color=line.get_color(),
+                lw=1, ms=4, label=f"over-sampled baseline, {g} GPUs")
         ax.axhline(rs[0]["sync_utilization"], color=line.get_color(), ls=":", lw=1,
                    label=f"sync, {g} GPUs")
-    ax.set_xlabel("over-provisioning N'/N")
+    ax.set_xlabel("over-provisioning N'/N (APRIL and the over-sampled baseline)")
     ax.set_ylabel("utilization of the saturated ceiling")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)

@@ -53,7 +53,7 @@ def train(cfg) -> dict:
     if cfg.train.resume:  # the steps after the checkpoint are redone: their rows go, not repeat
         truncate_step_logs(out, start - 1)
     before = evaluator.run()
-    exported = DriverMetrics(cfg.rollout.partial_rollout)  # Ray's metrics (actors/metrics.py)
+    exported = DriverMetrics(cfg.rollout)  # Ray's metrics (actors/metrics.py)
     exported.record_eval(before)
     tracker = Tracker(cfg, out, cfg.train.num_steps, start, resume=ckpt is not None)
     tracker.bar.write(f"held-out accuracy before: {json.dumps(before)}")

@@ -89,6 +89,29 @@ def test_sync_baseline_waits_for_every_group_and_stores_nothing():
                for r in results)
 
 
+def test_over_provisioned_baseline_discards_what_it_interrupts():
+    """slime's rollout without partial rollout (the APRIL paper's baseline): N' groups start each step, no
+    top-up, and at the N-th complete group the rest are aborted and thrown away, tokens and prompts, with
+    any surplus complete group: counted as dropped, never stored, never returned; every token on-policy."""
+    c = cfg(partial_rollout=False, discard_unfinished=True, over_sampling_batch_size=8)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=5)
+    results = asyncio.run(run_steps(rollout, source, store, engines, c, 4))
+    assert len(store) == 0 and all(r.metrics["rollout/groups_partial"] == 0 for r in results)
+    # over-provisioned at the start, never topped up (no filter here)
+    assert all(r.metrics["rollout/groups_fresh"] == 8 for r in results)
+    discarded = sum(r.metrics["rollout/groups_discarded"] for r in results)
+    assert discarded > 0 and sum(r.metrics["rollout/discarded_tokens"] for r in results) > 0
+    assert rollout.num_dropped_groups == discarded  # no filter here: every drop is a discard
+    assert all(r.metrics["rollout/off_policy_token_ratio"] == 0 for r in results)
+
+
+def test_discarding_is_the_baselines_alone():
+    from april_ray.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="rollout.discard_unfinished"):
+        validate(cfg(partial_rollout=True, discard_unfinished=True))
+
+
 def test_dispatch_balances_load_across_engines():
     c = cfg(rollout_batch_size=8, over_sampling_batch_size=16)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=6, num_engines=3, cap=5)

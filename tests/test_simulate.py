@@ -453,6 +453,9 @@ def test_jobs_simulate_writes_the_promised_keys(tmp_path):
         assert {"gpus", "factor", "sync_utilization", "april_utilization", "speedup", "off_policy_token_ratio",
                 "step_s", "control_plane_cpu_s_per_step"} <= row.keys()
         assert 0 < row["sync_utilization"] <= 1.05 and 0 < row["april_utilization"] <= 1.05
+        # the over-provisioned baseline throws away what is unfinished at the N-th group
+        assert 0 < row["oversample_utilization"] <= 1.05 and row["oversample_generated_per_trained"] > 1
+        assert row["sample_speedup_vs_oversample"] > 0 and row["speedup_vs_oversample"] > 0
         assert row["lost_groups"] == row["duplicated_samples"] == row["samples_with_wrong_length"] == 0
         assert math.isfinite(row["step_s"]) and row["step_s"] > 0
     assert result["assumptions"]["accelerator"]["bandwidth"] == 3.35e12

@@ -7,6 +7,10 @@
     and partial groups go to the store.
 
 The synchronous baseline is the same loop with N' = N, no top-up and no abort (`partial_rollout=false`).
+With `discard_unfinished` it over-provisions as slime's rollout does without partial rollout (the APRIL
+paper's baseline): N' groups start the step, no top-up, and at the N-th complete group the rest are
+aborted and discarded, with any surplus complete group (counted with the filter's drops in
+`num_dropped_groups`: taken, neither returned nor stored).
 
 `CompletionMonitor` holds what lives across steps (engines' liveness, counters, the handles of finished
 samples whose groups wait in the store); everything about one step lives in a `StepState`, created when
@@ -142,6 +146,8 @@ class CompletionMonitor:
             return 0
         if self.cfg.partial_rollout:
             return self.cfg.over_sampling_batch_size - s.num_incomplete
+        if self.cfg.discard_unfinished and not s.num_fresh + s.num_resumed:  # the step's start: over-provision
+            return self.cfg.over_sampling_batch_size - len(s.completed) - s.num_incomplete
         return n - len(s.completed) - s.num_incomplete  # sync: only refill what the filter dropped
 
     async def _top_up(self, s: StepState) -> str | None:
@@ -265,18 +271,23 @@ class CompletionMonitor:
         n = self.cfg.rollout_batch_size
         batch, surplus = s.completed[:n], s.completed[n:]
         t_store = self.clock()
-        partial = await self._stash(s, surplus)
+        keep = not self.cfg.discard_unfinished  # the over-provisioned baseline keeps nothing for the next step
+        discarded = [] if keep else s.partial_ids() + surplus
+        partial = await self._stash(s, surplus if keep else [], with_partial=keep)
         self.num_returned_groups += len(batch)
-        self.num_dropped_groups += len(s.dropped)
+        self.num_dropped_groups += len(s.dropped) + len(discarded)
         metas = [list(s.flights[g].metas) for g in batch]
         staleness = batch_staleness(metas, s.version)
         metrics = self._metrics(s, metas, staleness, wall=self.clock() - t0, store_s=self.clock() - t_store)
-        metrics |= {"rollout/groups_surplus": len(surplus), "rollout/groups_partial": len(partial)}
+        metrics |= {"rollout/groups_surplus": len(surplus), "rollout/groups_partial": len(partial),
+                    "rollout/groups_discarded": len(discarded),
+                    "rollout/discarded_tokens": sum(m.response_len for g in discarded for m in s.flights[g].metas if m)}
         if s.sample_seconds:
             self.token_rate = s.generated_tokens / s.sample_seconds
-        for gid in (*batch, *s.dropped):
+        for gid in (*batch, *s.dropped, *discarded):
             for m in s.flights[gid].metas:
-                self.finished_handles.pop(m.sample_id, None)
+                if m is not None:
+                    self.finished_handles.pop(m.sample_id, None)
         return StepResult(s.step, [list(s.flights[g].handles) for g in batch], metas, metrics, staleness, batch,
                           dict(s.dropped), [list(s.flights[g].handles) for g in s.dropped])
 
@@ -316,9 +327,10 @@ class CompletionMonitor:
         self.num_dropped_groups += len(s.dropped)
         raise StepFailed(message)
 
-    async def _stash(self, s: StepState, complete: list[str]) -> list[str]:
-        """Store complete groups not returned, and every unfinished group; returns the unfinished ids."""
-        partial = s.partial_ids()
+    async def _stash(self, s: StepState, complete: list[str], with_partial: bool = True) -> list[str]:
+        """Store complete groups not returned, and every unfinished group (unless not `with_partial`);
+        returns the ids of the unfinished groups stored."""
+        partial = s.partial_ids() if with_partial else []
         if complete:
             await self.store.put_complete([s.flights[g].as_group() for g in complete])
         if partial:

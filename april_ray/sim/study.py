@@ -56,15 +56,22 @@ def batch_for(cfg: Config, engines: int) -> int:
     return max(1, round(cfg.rollout.rollout_batch_size * engines / cfg.engine.num_engines))
 
 
-def rollout_for(cfg: Config, n: int, factor: float | None):
-    """The monitor's section for N groups: sync when `factor` is None, else APRIL at N' = factor x N."""
+SCHEDULES = ("sync", "april", "oversample")
+"""The synchronous baseline (N in flight); APRIL at N'; the over-provisioned baseline at N' (slime's rollout
+without partial rollout, the APRIL paper's baseline: what is unfinished at the N-th group is discarded)."""
+
+
+def rollout_for(cfg: Config, n: int, factor: float | None, schedule: str | None = None):
+    """The monitor's section for N groups: `schedule` at N' = factor x N (sync: N); by default sync when
+    `factor` is None, else APRIL."""
+    schedule = schedule or ("sync" if factor is None else "april")
+    assert schedule in SCHEDULES, schedule
     scale = n / cfg.rollout.rollout_batch_size
     filtered = max(cfg.rollout.max_filtered_groups, round(cfg.rollout.max_filtered_groups * scale))
-    if factor is None:
-        return dataclasses.replace(cfg.rollout, rollout_batch_size=n, over_sampling_batch_size=n,
-                                   partial_rollout=False, max_filtered_groups=filtered)
-    return dataclasses.replace(cfg.rollout, rollout_batch_size=n, over_sampling_batch_size=max(n, round(factor * n)),
-                               partial_rollout=True, max_filtered_groups=filtered)
+    over = n if schedule == "sync" else max(n, round(factor * n))
+    return dataclasses.replace(cfg.rollout, rollout_batch_size=n, over_sampling_batch_size=over,
+                               partial_rollout=schedule == "april", discard_unfinished=schedule == "oversample",
+                               max_filtered_groups=filtered)
 
 
 def run_schedule(setting: Setting, rollout, steps: int, warmup: int, clock: str, ceiling: float) -> dict:
@@ -80,7 +87,7 @@ def run_schedule(setting: Setting, rollout, steps: int, warmup: int, clock: str,
             loop.default_account, loop.stall = OTHER, True
             loop.clocked.add(OTHER)
         t0 = time.process_time()
-        sched = Schedule("april" if rollout.partial_rollout else "sync", setting, rollout, loop)
+        sched = Schedule(rollout.schedule, setting, rollout, loop)
         await sched.run(steps, warmup)
         return sched.summary(ceiling) | {"sim_cpu_s": time.process_time() - t0,
                                          "rollout_batch_size": rollout.rollout_batch_size,

@@ -4,8 +4,9 @@ worker's own path with an engine that answers at once.
     python -m jobs.bench.simulation --config configs/qwen3_4b_dapo.yaml --gpus 64,1024 --json PATH
         [--steps 2] [--warmup 1] [key=value ...] [simulate.key=value ...]
 
-For each GPU count, the schedules `jobs.simulate` runs (the synchronous baseline, and APRIL at the
-config's N'/N after `--warmup` steps), `--steps` measured steps each, with the clock off: the control
+For each GPU count, the schedules `jobs.simulate` runs (the synchronous baseline, APRIL at the config's
+N'/N after `--warmup` steps, and the over-provisioned baseline at that N'/N), `--steps` measured steps
+each, with the clock off: the control
 plane's CPU does not pass on the virtual clock, so the schedule is the same whatever this machine's
 speed. Per schedule: CPU seconds per step, sample calls (requests to the engines) and engine spans
 (the simulated engines' units of work, one per event) per step, and CPU per sample call, split into
@@ -14,7 +15,7 @@ engines, the event loop). Then the worker alone: N' groups of fresh samples thro
 `LocalPool` and `EngineWorker`, on the same virtual loop, over an engine that answers every request at
 once with the sample's drawn length (the output's lists as long as the simulated engine's), CPU per
 sample call. `budget_us_per_call`: what a sample call may cost, at the calls per step measured here, for
-`jobs.simulate`'s 20 steps of both schedules (APRIL with its 3 warm-up steps) to take 2 minutes of CPU.
+`jobs.simulate`'s 20 steps of each schedule (APRIL with its 3 warm-up steps) to take 2 minutes of CPU.
 """
 from __future__ import annotations
 
@@ -81,9 +82,9 @@ def worker_alone(setting, groups: int, n_samples: int, rounds: int) -> dict:
     return {"cpu_s": cpu, "sample_calls": calls, "us_per_call": cpu / calls * 1e6}
 
 
-def schedule_cost(cfg, sim, gpus: int, factor: float | None, steps: int, warmup: int) -> dict:
+def schedule_cost(cfg, sim, gpus: int, factor: float | None, steps: int, warmup: int, schedule: str | None = None) -> dict:
     setting = study.gpu_setting(cfg, sim, gpus)
-    rollout = study.rollout_for(cfg, study.batch_for(cfg, setting.num_engines), factor)
+    rollout = study.rollout_for(cfg, study.batch_for(cfg, setting.num_engines), factor, schedule)
     r = study.run_schedule(setting, rollout, steps, warmup, "none", 1.0)
     calls = r["sample_calls_per_step"]
     total = r["control_plane_cpu_s_per_step"] + r["engine_side_cpu_s_per_step"]
@@ -113,19 +114,21 @@ def main() -> None:
     t0 = time.time()
     rows = []
     for gpus in (int(g) for g in args.gpus.split(",")):
-        sync = schedule_cost(cfg, sim, gpus, None, args.steps, 0)
-        april = schedule_cost(cfg, sim, gpus, factor, args.steps, args.warmup)
+        costs = {k: schedule_cost(cfg, sim, gpus, factor, args.steps, args.warmup if k == "april" else 0, k)
+                 for k in study.SCHEDULES}
         setting = study.gpu_setting(cfg, sim, gpus)
         groups = round(factor * study.batch_for(cfg, setting.num_engines))
         worker = worker_alone(setting, groups, cfg.rollout.n_samples_per_prompt, rounds=2)
-        calls = april["sample_calls_per_step"] * (sim.steps + sim.warmup_steps) + sync["sample_calls_per_step"] * sim.steps
-        rows.append({"gpus": gpus, "factor": factor, "sync": sync, "april": april, "worker_alone": worker,
+        # jobs.simulate's steps per schedule: APRIL's warm-up besides the measured ones
+        steps = {k: sim.steps + (sim.warmup_steps if k == "april" else 0) for k in study.SCHEDULES}
+        calls = sum(costs[k]["sample_calls_per_step"] * steps[k] for k in costs)
+        rows.append({"gpus": gpus, "factor": factor, **costs, "worker_alone": worker,
                      "budget_us_per_call": BAR_CPU_S / calls * 1e6,
-                     "predicted_cpu_s": april["cpu_s_per_step"] * (sim.steps + sim.warmup_steps)
-                                        + sync["cpu_s_per_step"] * sim.steps})
-        a = april
+                     "predicted_cpu_s": sum(costs[k]["cpu_s_per_step"] * steps[k] for k in costs)})
+        a = costs["april"]
         print(f"gpus {gpus:5d}  APRIL {a['us_per_call']:.1f} us/call (control plane {a['control_plane_us_per_call']:.1f}, "
-              f"rest {a['rest_us_per_call']:.1f}; {a['spans_per_call']:.2f} spans/call)  sync {sync['us_per_call']:.1f}  "
+              f"rest {a['rest_us_per_call']:.1f}; {a['spans_per_call']:.2f} spans/call)  sync "
+              f"{costs['sync']['us_per_call']:.1f}  over-sampled {costs['oversample']['us_per_call']:.1f}  "
               f"worker alone {worker['us_per_call']:.1f}  budget {rows[-1]['budget_us_per_call']:.1f} us/call  "
               f"-> jobs.simulate ~{rows[-1]['predicted_cpu_s']:.0f} s CPU", flush=True)
     write_result(args.json, {"wall_s": time.time() - t0, "steps": args.steps, "warmup": args.warmup,
