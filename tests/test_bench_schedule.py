@@ -23,10 +23,10 @@ def test_per_engine_share_of_the_ray_run():
         per_engine(load_config(None, ["rollout.rollout_batch_size=15", "rollout.over_sampling_batch_size=16"]), None)
 
 
-def test_bench_schedule_runs_sync_and_april_in_process(tmp_path, random_model_dir):
+def test_bench_schedule_runs_sync_april_and_the_over_provisioned_baseline_in_process(tmp_path, random_model_dir):
     out = tmp_path / "sched.json"
     cmd = [sys.executable, "-m", "jobs.bench.schedule", "--json", str(out), "--steps", "3", "--warmup-steps", "1",
-           "--factors", "1,2", "--probe-every", "2", "--probe-seconds", "0.5", f"model.path={random_model_dir}",
+           "--factors", "1,2", "--oversample", "--probe-every", "2", "--probe-seconds", "0.5", f"model.path={random_model_dir}",
            f"model.cache_dir={tmp_path}", "task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=8",
            "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24",
            "engine.max_model_len=64", "engine.max_num_seqs=16", "engine.park_slots=16"]
@@ -35,7 +35,8 @@ def test_bench_schedule_runs_sync_and_april_in_process(tmp_path, random_model_di
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
     assert len(r["saturated_runs"]) == 3 and r["config"]["rollout_batch_size"] == 4  # 8 groups over 2 engines
-    for mode, n_prime in (("sync", 4), ("april_1", 4), ("april_2", 8)):
+    modes = ("sync", "april_1", "oversample_1", "april_2", "oversample_2")
+    for mode, n_prime in zip(modes, (4, 4, 4, 8, 8)):
         res = r[mode]
         assert res["steps"] == 3 and res["over_sampling_batch_size"] == n_prime
         assert res["effective_tok_s"] > 0 and 0 < res["utilization"] and 0 < res["running_rows_mean"] <= 16
@@ -47,15 +48,15 @@ def test_bench_schedule_runs_sync_and_april_in_process(tmp_path, random_model_di
     assert r["april_2"]["speedup"] == pytest.approx(r["april_2"]["effective_tok_s"] / r["sync"]["effective_tok_s"])
     # every engine step recorded for the simulator's calibration: the modes' and the probes'
     costs = r["step_costs"]
-    assert set(costs["sums"]) == {"sync", "april_1", "april_2", "probe"}
+    assert set(costs["sums"]) == {*modes, "probe"}
     assert costs["fit"]["steps"] == sum(round(s["one"]) for s in costs["sums"].values())
     assert all(costs["fit"][k] >= 0 for k in ("a", "b", "c", "prefill_per_token", "per_attended"))
-    for mode in ("sync", "april_1", "april_2"):
+    for mode in modes:
         sums, between = costs["sums"][mode], costs["between_steps"]["by_mode"][mode]
         assert sums["rows"] >= r[mode]["engine_decoded_tokens"] and sums["attended"] >= sums["context"] > 0
         assert between["steps"] == round(sums["one"]) and between["between_s"] > 0
     # the fit against each mode's steps by the other work that preceded them
-    assert set(costs["fit_by_gap"]) == {"sync", "april_1", "april_2", "probe"}
+    assert set(costs["fit_by_gap"]) == {*modes, "probe"}
     for mode, bins in costs["fit_by_gap"].items():
         assert sum(b["steps"] for b in bins) <= round(costs["sums"][mode]["one"])
         assert all(b["fit_over_measured"] > 0 and 0 < b["rows_mean"] <= 16 for b in bins)

@@ -358,10 +358,11 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
     if own:  # cross-check: the same with the costs of `--measure-cpu`'s own bench run
         rec_setting, rec_probe_setting = bench_settings(cfg, recording, prompt_lens)
         rec_probe_rate, _ = bench_probe(cfg, rec_probe_setting, measured)
-    modes = [("sync", None)] + [(f"april_{f:g}", f) for f in bench["factors"]]
+    modes = [("sync", None, "sync")] + [(f"{k}_{f:g}", f, k) for f in bench["factors"] for k in ("april", "oversample")
+                                        if f"{k}_{f:g}" in measured]
     rows = []
-    for name, f in modes:
-        rollout = study.rollout_for(cfg, n, f)
+    for name, f, schedule in modes:
+        rollout = study.rollout_for(cfg, n, f, schedule)
         sim_ = study.run_schedule(setting, rollout, steps, warmup, "none", ceiling)
         alone = study.run_schedule(bare, rollout, steps, warmup, "none", bare_ceiling)
         m = measured[name]

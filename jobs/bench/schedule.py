@@ -1,6 +1,7 @@
 """The schedules alone: the synchronous baseline vs APRIL on one engine in this process, without Ray.
 
-    python -m jobs.bench.schedule --json PATH [--steps 30] [--factors 1,1.5,2,3] [--config YAML] [key=value ...]
+    python -m jobs.bench.schedule --json PATH [--steps 30] [--factors 1,1.5,2,3] [--oversample] [--config YAML]
+        [key=value ...]
 
 The same logic as the Ray run (`CompletionMonitor`; `PromptSource`;
 `PartialRolloutStore`; `EngineWorker` on the CPU engine), wired on one event loop by `april_ray.rollout.local`:
@@ -10,7 +11,9 @@ engine.num_engines). So this measures what each schedule gets out of the engine'
 bounds what `jobs.bench.rollout` can reach with the same engine; the rest of the gap is transport and the
 cores the control plane takes.
 
-Every mode has its own engine (same weights and seed), source (same seed, so the same prompts) and store;
+`--oversample` adds the over-provisioned baseline at each N'/N (`rollout.discard_unfinished`: N' groups start
+each step, the unfinished ones are discarded at the N-th complete group; slime's rollout without partial
+rollout). Every mode has its own engine (same weights and seed), source (same seed, so the same prompts) and store;
 the modes run interleaved step by step, one at a time, so the machine's drift falls on all alike. Before
 each round the weights are published again under the next policy version. The ceiling is bench_rollout's
 probe (`EngineWorker.throughput_probe`: every slot busy with the training prompts the schedules start
@@ -131,6 +134,10 @@ async def run(cfg: Config, args, job: JobInputs) -> dict:
         modes.append(LocalMode(f"april_{f:g}", with_rollout(cfg, partial_rollout=True, rollout_batch_size=n,
                                                             over_sampling_batch_size=n_prime),
                                model_path, train, tok.encode))
+        if args.oversample:  # the over-provisioned baseline at the same N'
+            modes.append(LocalMode(f"oversample_{f:g}", with_rollout(cfg, partial_rollout=False, discard_unfinished=True,
+                                                                     rollout_batch_size=n, over_sampling_batch_size=n_prime),
+                                   model_path, train, tok.encode))
     prober = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
     probe_recorder = StepRecorder(prober.engine.engine)
     ceilings, cpu_ceilings, probe_process = [], [], [0.0]
@@ -164,7 +171,7 @@ async def run(cfg: Config, args, job: JobInputs) -> dict:
             "config": {"rollout_batch_size": n, "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
                        "max_num_seqs": cfg.engine.max_num_seqs, "max_response_len": cfg.sampling.max_response_len,
                        "park_slots": cfg.engine.park_slots, "reuse_stale_kv": cfg.engine.reuse_stale_kv,
-                       "max_staleness": cfg.staleness.max_versions, "factors": factors,
+                       "max_staleness": cfg.staleness.max_versions, "factors": factors, "oversample": args.oversample,
                        "probe_seconds": args.probe_seconds, "probe_every": args.probe_every}}
 
 
@@ -190,7 +197,7 @@ def record(cfg: Config, steps: int = 24, warmup_steps: int = 2, factors: str = "
            probe_seconds: float = 2.0) -> dict:
     """One run of this bench with these settings (`jobs.simulate --measure-cpu` takes its step costs)."""
     args = argparse.Namespace(steps=steps, warmup_steps=warmup_steps, factors=factors, probe_every=probe_every,
-                              probe_seconds=probe_seconds)
+                              probe_seconds=probe_seconds, oversample=False)
     per_engine(cfg, None)
     return asyncio.run(run(cfg, args, prepare(cfg)))
 
@@ -202,6 +209,8 @@ def main() -> None:
         p.add_argument("--steps", type=int, default=20)
         p.add_argument("--warmup-steps", type=int, default=2)
         p.add_argument("--factors", default="1.5", help="APRIL's N'/N, comma-separated: one mode each")
+        p.add_argument("--oversample", action="store_true",
+                       help="also the over-provisioned baseline (rollout.discard_unfinished) at each N'/N")
         p.add_argument("--probe-every", type=int, default=1, help="measure the ceiling every this many rounds")
         p.add_argument("--probe-seconds", type=float, default=2.0)
 
