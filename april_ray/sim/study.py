@@ -160,5 +160,5 @@ def assumptions(cfg: Config, sim: SimulateConfig, setting: Setting) -> dict:
                       f"staleness mask drops (older than {cfg.staleness.mask_older_than} versions; -1: none, "
                       "staleness.policy=keep): utilization, speedup and tok/s count these",
         "staleness": {"max_versions": cfg.staleness.max_versions, "policy": cfg.staleness.policy},
-        "steps": {"measured": sim.steps, "warmup (APRIL only; sync carries nothing over)": sim.warmup_steps},
+        "steps": {"measured": sim.steps, "warmup (APRIL only; the baselines carry nothing over)": sim.warmup_steps},
     }

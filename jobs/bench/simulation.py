@@ -6,9 +6,8 @@ worker's own path with an engine that answers at once.
 
 For each GPU count, the schedules `jobs.simulate` runs (the synchronous baseline, APRIL at the config's
 N'/N after `--warmup` steps, and the over-provisioned baseline at that N'/N), `--steps` measured steps
-each, with the clock off: the control
-plane's CPU does not pass on the virtual clock, so the schedule is the same whatever this machine's
-speed. Per schedule: CPU seconds per step, sample calls (requests to the engines) and engine spans
+each, with the clock off: the control plane's CPU does not pass on the virtual clock, so the schedule is
+the same whatever this machine's speed. Per schedule: CPU seconds per step, sample calls (requests to the engines) and engine spans
 (the simulated engines' units of work, one per event) per step, and CPU per sample call, split into
 the control plane's (monitor, source, store: their tasks' CPU) and the rest (engine workers, simulated
 engines, the event loop). Then the worker alone: N' groups of fresh samples through the real
