@@ -188,7 +188,10 @@ class RolloutConfig:
     """Only with partial_rollout false: the baseline over-provisions as slime's rollout does without partial
     rollout (the APRIL paper's baseline): N' groups start the step, and once N are complete the unfinished
     ones are aborted and discarded with their tokens (their prompts are not retried), as are complete
-    groups beyond N. false: the baseline keeps N groups in flight and discards nothing."""
+    groups beyond N. No top-up, but for the dynamic filter: once its drops leave fewer than N groups that
+    could complete, one fresh group per missing one (slime submits another N' at once). A step that fails
+    keeps everything in the store, as every schedule does. false: the baseline keeps N groups in flight
+    and discards nothing."""
     dynamic_filter: bool = False
     """DAPO dynamic sampling: drop complete groups whose rewards all agree, and refill their slots."""
     max_filtered_groups: int = positive(256)

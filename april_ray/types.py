@@ -194,3 +194,5 @@ class StepResult:
     """Group id -> reason, for complete groups the dynamic filter dropped this step."""
     dropped_groups: list[list[Any]] = field(default_factory=list)
     """Their sample handles, in `dropped` order: filtered groups are kept for the consumer, not discarded."""
+    discarded: list[str] = field(default_factory=list)
+    """Ids of the groups the over-provisioned baseline threw away this step (`rollout.discard_unfinished`)."""

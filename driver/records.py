@@ -2,9 +2,10 @@
 
 One row per step, written before that step's checkpoint (so a resumed run never lacks the rows of the
 steps it kept): the group ids returned for training with their sample ids, the groups the dynamic filter
-dropped with the reason, the trained tokens by age, and the engine crashes the monitor saw. A last row,
-`"end": true`, holds the prompt source's cursor and the ids of the groups left in the store. Together they
-account for every group taken from the source: returned, dropped or stored (`jobs/chaos.py` checks it).
+dropped with the reason, those the over-provisioned baseline discarded, the trained tokens by age, and the
+engine crashes the monitor saw. A last row, `"end": true`, holds the prompt source's cursor and the ids of
+the groups left in the store. Together they account for every group taken from the source: returned,
+dropped, discarded or stored (`jobs/chaos.py` checks it).
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ class GroupLog:
             "returned": list(batch.returned_group_ids),
             "samples": {gid: [m.sample_id for m in metas] for gid, metas in zip(batch.returned_group_ids, batch.metas)},
             "dropped": dict(batch.dropped),
+            "discarded": list(batch.discarded),
             "staleness": {str(age): n for age, n in batch.staleness.items()},
             "mask_older_than": self.mask_older_than,
             "max_trained_staleness": trained_staleness_max(batch.staleness, self.mask_older_than),

@@ -124,18 +124,21 @@ def check_records(out_dir: Path, n_samples: int) -> dict:
     returned = Counter(g for r in steps for g in r["returned"])
     samples = Counter(s for r in steps for ids in r["samples"].values() for s in ids)
     dropped = Counter(g for r in steps for g in r["dropped"])
+    discarded = Counter(g for r in steps for g in r.get("discarded", []))  # rows before the baseline had none
     stored = Counter(end["store"]["partial"] + end["store"]["complete"]) if end else Counter()
-    placed = returned + dropped + stored
+    placed = returned + dropped + discarded + stored
     taken = taken_group_ids(end["source"]) if end else sorted(placed)
     lost = sum(n_samples for g in taken if g not in placed)
     lost += sum(n_samples - len(set(ids)) for r in steps for ids in r["samples"].values())
     duplicated = sum(c - 1 for c in samples.values() if c > 1)
-    # a group dropped or stored more than once, or also trained: its samples are counted again
-    duplicated += sum(max(0, c - (0 if g in returned else 1)) * n_samples for g, c in (dropped + stored).items())
+    # a group dropped, discarded or stored more than once, or also trained: its samples are counted again
+    duplicated += sum(max(0, c - (0 if g in returned else 1)) * n_samples
+                      for g, c in (dropped + discarded + stored).items())
     return {
         "steps_completed": len({r["step"] for r in steps}),
         "groups_taken": len(taken), "groups_returned": sum(returned.values()),
-        "groups_dropped": sum(dropped.values()), "groups_stored": sum(stored.values()),
+        "groups_dropped": sum(dropped.values()), "groups_discarded": sum(discarded.values()),
+        "groups_stored": sum(stored.values()),
         "dropped_reasons": dict(Counter(reason for r in steps for reason in r["dropped"].values())),
         "unknown_groups": len(set(placed) - set(taken)),
         "lost_samples": lost, "duplicated_samples": duplicated,

@@ -89,8 +89,8 @@ def parse() -> tuple:
     args.gpus = number_list(parser, "--gpus", args.gpus, int, lambda g: g >= tp and g % tp == 0,
                             f"multiples of placement.engine_gpus={tp} (GPUs per engine)")
     default = cfg.rollout.over_sampling_batch_size / cfg.rollout.rollout_batch_size
-    args.factors = number_list(parser, "--factors", args.factors, float, lambda f: f >= 1, "N'/N of at least 1") \
-        if args.factors else [default]
+    args.factors = number_list(parser, "--factors", args.factors, float, lambda f: 1 <= f < float("inf"),
+                               "N'/N of at least 1") if args.factors else [default]
     return cfg, sim, args
 
 
@@ -112,7 +112,9 @@ def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float
     (largest first), and each schedule's CPU figures are its own process's."""
     # every engine is alike, whatever their number
     ceiling = study.ceiling_of(study.gpu_setting(cfg, sim, gpus[0]), cfg.rollout.n_samples_per_prompt)
-    jobs = [job for g in gpus for job in [(g, None, "sync")] + [(g, f, k) for f in factors for k in ("april", "oversample")]]
+    # at N'/N = 1 the over-provisioned baseline is the synchronous one: not simulated twice
+    jobs = [job for g in gpus for job in [(g, None, "sync")]
+            + [(g, f, k) for f in factors for k in ("april", "oversample") if k == "april" or f > 1]]
     pool = None
     if workers > 1:
         import multiprocessing
@@ -128,10 +130,12 @@ def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float
         for job in jobs:  # in order: a GPU count's rows as soon as its schedules are done
             results[job] = futures[job].result() if pool else run_one(cfg, sim, *job, ceiling)
             g, f, kind = job
-            if kind == "oversample":
-                april = results[g, f, "april"]
-                rows.append(result_row(cfg, sim, g, april["engines"], f, results[g, None, "sync"], april, results[job]))
-                print(format_row(rows[-1]), flush=True)
+            if kind == "sync" or (kind == "april" and f > 1):
+                continue  # a row once APRIL and its baseline are both in
+            over = results[g, None, "sync"] | {"sim_cpu_s": 0.0} if f == 1 else results[job]
+            april = results[g, f, "april"]
+            rows.append(result_row(cfg, sim, g, april["engines"], f, results[g, None, "sync"], april, over))
+            print(format_row(rows[-1]), flush=True)
     finally:
         if pool:  # on a failure, the schedules not started yet are dropped
             pool.shutdown(cancel_futures=True)
@@ -145,10 +149,9 @@ def run_one(cfg, sim: SimulateConfig, gpus: int, factor: float | None, schedule:
     """One schedule (`study.SCHEDULES`) at one GPU count, at N'/N = factor (the synchronous baseline: N)."""
     setting = study.gpu_setting(cfg, sim, gpus)
     n = study.batch_for(cfg, setting.num_engines)
-    # only APRIL carries unfinished work from one step to the next (the store): the baselines need no warm-up
-    warmup = sim.warmup_steps if schedule == "april" else 0
     rollout = study.rollout_for(cfg, n, factor, schedule)
-    return study.run_schedule(setting, rollout, sim.steps, warmup, "latency", ceiling) | {"engines": setting.num_engines}
+    return study.run_schedule(setting, rollout, sim.steps, study.warmup_steps(schedule, sim), "latency", ceiling) \
+        | {"engines": setting.num_engines}
 
 
 def result_row(cfg, sim, gpus: int, engines: int, factor: float, sync: dict, april: dict, over: dict) -> dict:
@@ -214,7 +217,7 @@ def control_plane_limit(rows: list[dict], factors: list[float]) -> dict:
 def format_row(r: dict) -> str:
     return (f"gpus {r['gpus']:5d}  N'/N {r['factor']:<4g} sync {r['sync_utilization']:.3f}  APRIL "
             f"{r['april_utilization']:.3f}  speedup {r['speedup']:.2f}  off-policy {r['off_policy_token_ratio']:.2f}  "
-            f"masked {r['masked_token_ratio']:.3f}  over-sampled baseline {r['oversample_utilization']:.3f} "
+            f"masked {r['masked_token_ratio']:.3f}  over-provisioned baseline {r['oversample_utilization']:.3f} "
             f"(APRIL x{r['speedup_vs_oversample']:.2f} tokens/s, x{r['sample_speedup_vs_oversample']:.2f} samples/s)  "
             f"step {r['step_s']:.0f} s (sync {r['sync_step_s']:.0f})  KV peak {r['kv_peak_gb']:.1f} GB  "
             f"control plane {r['control_plane_cpu_s_per_step']:.3f} s/step  [sim {r['sim_cpu_s']:.1f} s CPU]")
@@ -231,10 +234,10 @@ def plot(rows: list[dict], path: str) -> None:
         rs = sorted((r for r in rows if r["gpus"] == g), key=lambda r: r["factor"])
         line, = ax.plot([r["factor"] for r in rs], [r["april_utilization"] for r in rs], "o-", label=f"APRIL, {g} GPUs")
         ax.plot([r["factor"] for r in rs], [r["oversample_utilization"] for r in rs], "s--", color=line.get_color(),
-                lw=1, ms=4, label=f"over-sampled baseline, {g} GPUs")
+                lw=1, ms=4, label=f"over-provisioned baseline, {g} GPUs")
         ax.axhline(rs[0]["sync_utilization"], color=line.get_color(), ls=":", lw=1,
                    label=f"sync, {g} GPUs")
-    ax.set_xlabel("over-provisioning N'/N (APRIL and the over-sampled baseline)")
+    ax.set_xlabel("over-provisioning N'/N (APRIL and the over-provisioned baseline)")
     ax.set_ylabel("utilization of the saturated ceiling")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)

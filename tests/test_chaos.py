@@ -56,6 +56,32 @@ def test_check_records_finds_lost_and_duplicated_samples(tmp_path):
     assert r["max_trained_staleness"] == 5  # keep: nothing masked
 
 
+def test_the_records_account_for_the_groups_the_over_provisioned_baseline_discards(tmp_path):
+    """The real monitor with `rollout.discard_unfinished` on fake engines, logged by the job's `GroupLog`:
+    every group taken is returned or discarded, none lost, none counted twice."""
+    import asyncio
+
+    from driver.records import GroupLog
+    from tests.fakes import make_rollout_parts
+    from tests.test_rollout import cfg
+
+    c = cfg(partial_rollout=False, discard_unfinished=True, over_sampling_batch_size=8)
+    monitor, _, source, store, engines = make_rollout_parts(c, seed=5)
+    log = GroupLog(tmp_path, c.staleness.mask_older_than)
+
+    async def run():
+        for step in range(4):
+            for e in engines:
+                e.update_weights(None, step)
+            log.step(step, step, await monitor.step(step, step))
+
+    asyncio.run(run())
+    log.end(3, source.state_dict(), store.state_dict())
+    r = check_records(tmp_path, n_samples=4)
+    assert r["groups_taken"] == 32 and r["groups_returned"] == 16 and r["groups_discarded"] == 16
+    assert r["lost_samples"] == r["duplicated_samples"] == r["unknown_groups"] == 0
+
+
 @pytest.mark.slow
 def test_chaos_engine_kills_lose_and_repeat_nothing(tmp_path, random_model_dir):
     out = tmp_path / "chaos.json"

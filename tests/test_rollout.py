@@ -105,11 +105,41 @@ def test_over_provisioned_baseline_discards_what_it_interrupts():
     assert all(r.metrics["rollout/off_policy_token_ratio"] == 0 for r in results)
 
 
+def test_over_provisioned_baseline_with_the_dynamic_filter_refills_only_to_reach_n():
+    """With DAPO's filter the baseline tops up only when the filter's drops leave fewer than N groups that
+    could still complete, one group per missing one; every group taken is returned, dropped or discarded."""
+    import random
+
+    rng = random.Random(0)
+
+    def reward(prompt, text, answer):  # every third prompt is "too easy": all its samples score 1
+        return 1.0 if answer == "True" else float(rng.random() < 0.5)
+
+    c = cfg(partial_rollout=False, discard_unfinished=True, dynamic_filter=True, over_sampling_batch_size=6)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=8, reward_fn=reward)
+    results = asyncio.run(run_steps(rollout, source, store, engines, c, 6))
+    assert sum(len(r.dropped) for r in results) > 0 and len(store) == 0
+    for r in results:
+        fresh, dropped, discarded = (r.metrics["rollout/groups_fresh"], len(r.dropped), len(r.discarded))
+        assert fresh == 4 + dropped + discarded  # N returned, the rest dropped or discarded
+        assert fresh <= 6 + max(0, dropped - 2)  # N' at the start, then one per drop past N' - N
+    assert rollout.num_dropped_groups == sum(len(r.dropped) + len(r.discarded) for r in results)
+
+
 def test_discarding_is_the_baselines_alone():
+    """Refused with APRIL by the config and by the monitor; a benchmark mode that picks APRIL or sync from a
+    config that asks for the discarding baseline gets the plain schedule."""
     from april_ray.config import ConfigError, validate
+    from jobs.bench.rollout import with_rollout
 
     with pytest.raises(ConfigError, match="rollout.discard_unfinished"):
         validate(cfg(partial_rollout=True, discard_unfinished=True))
+    with pytest.raises(ValueError, match="rollout.discard_unfinished"):
+        make_rollout_parts(cfg(partial_rollout=True, discard_unfinished=True))
+    baseline = cfg(partial_rollout=False, discard_unfinished=True)
+    assert with_rollout(baseline, partial_rollout=True).rollout.schedule == "april"
+    assert with_rollout(baseline, partial_rollout=False).rollout.schedule == "sync"
+    assert with_rollout(baseline, rollout_batch_size=2).rollout.schedule == "oversample"
 
 
 def test_dispatch_balances_load_across_engines():

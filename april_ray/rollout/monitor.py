@@ -8,9 +8,10 @@
 
 The synchronous baseline is the same loop with N' = N, no top-up and no abort (`partial_rollout=false`).
 With `discard_unfinished` it over-provisions as slime's rollout does without partial rollout (the APRIL
-paper's baseline): N' groups start the step, no top-up, and at the N-th complete group the rest are
-aborted and discarded, with any surplus complete group (counted with the filter's drops in
-`num_dropped_groups`: taken, neither returned nor stored).
+paper's baseline): N' groups start the step, no top-up (but, as sync, a group per one the filter's drops
+leave missing from N), and at the N-th complete group the rest are aborted and discarded, with any
+surplus complete group (counted with the filter's drops in `num_dropped_groups`: taken, neither returned
+nor stored; `StepResult.discarded` names them). A failed step stores everything, as always.
 
 `CompletionMonitor` holds what lives across steps (engines' liveness, counters, the handles of finished
 samples whose groups wait in the store); everything about one step lives in a `StepState`, created when
@@ -61,6 +62,8 @@ def filter_reason(metas: list[SampleMeta]) -> str | None:
 class CompletionMonitor:
     def __init__(self, cfg: RolloutConfig, pool: EnginePool, source, store, clock=time.perf_counter):
         """`source` and `store` are async proxies: each method call returns an awaitable."""
+        if cfg.discard_unfinished and cfg.partial_rollout:
+            raise ValueError("rollout.discard_unfinished: the over-provisioned baseline needs partial_rollout=false")
         self.cfg = cfg
         self.pool = pool
         self.source = source
@@ -279,7 +282,7 @@ class CompletionMonitor:
         metas = [list(s.flights[g].metas) for g in batch]
         staleness = batch_staleness(metas, s.version)
         metrics = self._metrics(s, metas, staleness, wall=self.clock() - t0, store_s=self.clock() - t_store)
-        metrics |= {"rollout/groups_surplus": len(surplus), "rollout/groups_partial": len(partial),
+        metrics |= {"rollout/groups_surplus": len(surplus) if keep else 0, "rollout/groups_partial": len(partial),
                     "rollout/groups_discarded": len(discarded),
                     "rollout/discarded_tokens": sum(m.response_len for g in discarded for m in s.flights[g].metas if m)}
         if s.sample_seconds:
@@ -289,7 +292,7 @@ class CompletionMonitor:
                 if m is not None:
                     self.finished_handles.pop(m.sample_id, None)
         return StepResult(s.step, [list(s.flights[g].handles) for g in batch], metas, metrics, staleness, batch,
-                          dict(s.dropped), [list(s.flights[g].handles) for g in s.dropped])
+                          dict(s.dropped), [list(s.flights[g].handles) for g in s.dropped], discarded)
 
     @staticmethod
     def _metrics(s: StepState, metas, staleness: dict[int, int], wall: float, store_s: float) -> dict[str, float]:

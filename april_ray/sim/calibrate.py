@@ -359,7 +359,7 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
         rec_setting, rec_probe_setting = bench_settings(cfg, recording, prompt_lens)
         rec_probe_rate, _ = bench_probe(cfg, rec_probe_setting, measured)
     modes = [("sync", None, "sync")] + [(f"{k}_{f:g}", f, k) for f in bench["factors"] for k in ("april", "oversample")
-                                        if f"{k}_{f:g}" in measured]
+                                        if k == "april" or f"{k}_{f:g}" in measured]  # the baseline's if measured
     rows = []
     for name, f, schedule in modes:
         rollout = study.rollout_for(cfg, n, f, schedule)

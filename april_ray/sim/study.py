@@ -66,12 +66,18 @@ def rollout_for(cfg: Config, n: int, factor: float | None, schedule: str | None 
     `factor` is None, else APRIL."""
     schedule = schedule or ("sync" if factor is None else "april")
     assert schedule in SCHEDULES, schedule
+    assert factor is not None or schedule == "sync", f"the {schedule} schedule needs an N'/N factor"
     scale = n / cfg.rollout.rollout_batch_size
     filtered = max(cfg.rollout.max_filtered_groups, round(cfg.rollout.max_filtered_groups * scale))
     over = n if schedule == "sync" else max(n, round(factor * n))
     return dataclasses.replace(cfg.rollout, rollout_batch_size=n, over_sampling_batch_size=over,
                                partial_rollout=schedule == "april", discard_unfinished=schedule == "oversample",
                                max_filtered_groups=filtered)
+
+
+def warmup_steps(schedule: str, sim: SimulateConfig) -> int:
+    """Only APRIL carries unfinished work from one step to the next (the store): the baselines need no warm-up."""
+    return sim.warmup_steps if schedule == "april" else 0
 
 
 def run_schedule(setting: Setting, rollout, steps: int, warmup: int, clock: str, ceiling: float) -> dict:

@@ -102,6 +102,10 @@ def run_interleaved(modes: list[Mode], engines: EngineGroup, weights_ref, steps:
 
 
 def with_rollout(cfg: Config, **changes) -> Config:
+    """`cfg` with its rollout section changed; a mode that sets `partial_rollout` is plain APRIL or plain
+    sync unless it asks for the discarding baseline itself (whatever the config says)."""
+    if "partial_rollout" in changes:
+        changes.setdefault("discard_unfinished", False)
     return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **changes))
 
 

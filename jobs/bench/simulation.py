@@ -23,6 +23,7 @@ import asyncio
 import time
 
 from jobs.common import write_result
+from jobs.simulate import number_list
 from april_ray.config import ConfigError, add_config_args, load_config
 from april_ray.rollout.engine_worker import EngineWorker
 from april_ray.rollout.local import LocalPool
@@ -109,17 +110,20 @@ def main() -> None:
         sim = load_simulate_config([o for o in args.overrides if o.startswith("simulate.")])
     except ConfigError as e:
         parser.error(str(e))
+    tp = max(1, cfg.placement.engine_gpus)
+    args.gpus = number_list(parser, "--gpus", args.gpus, int, lambda g: g >= tp and g % tp == 0,
+                            f"multiples of placement.engine_gpus={tp} (GPUs per engine)")
     factor = cfg.rollout.over_sampling_batch_size / cfg.rollout.rollout_batch_size
     t0 = time.time()
     rows = []
-    for gpus in (int(g) for g in args.gpus.split(",")):
+    for gpus in args.gpus:
         costs = {k: schedule_cost(cfg, sim, gpus, factor, args.steps, args.warmup if k == "april" else 0, k)
-                 for k in study.SCHEDULES}
+                 for k in study.SCHEDULES}  # --warmup for APRIL, as jobs.simulate warms only APRIL up
         setting = study.gpu_setting(cfg, sim, gpus)
         groups = round(factor * study.batch_for(cfg, setting.num_engines))
         worker = worker_alone(setting, groups, cfg.rollout.n_samples_per_prompt, rounds=2)
         # jobs.simulate's steps per schedule: APRIL's warm-up besides the measured ones
-        steps = {k: sim.steps + (sim.warmup_steps if k == "april" else 0) for k in study.SCHEDULES}
+        steps = {k: sim.steps + study.warmup_steps(k, sim) for k in study.SCHEDULES}
         calls = sum(costs[k]["sample_calls_per_step"] * steps[k] for k in costs)
         rows.append({"gpus": gpus, "factor": factor, **costs, "worker_alone": worker,
                      "budget_us_per_call": BAR_CPU_S / calls * 1e6,
@@ -127,7 +131,7 @@ def main() -> None:
         a = costs["april"]
         print(f"gpus {gpus:5d}  APRIL {a['us_per_call']:.1f} us/call (control plane {a['control_plane_us_per_call']:.1f}, "
               f"rest {a['rest_us_per_call']:.1f}; {a['spans_per_call']:.2f} spans/call)  sync "
-              f"{costs['sync']['us_per_call']:.1f}  over-sampled {costs['oversample']['us_per_call']:.1f}  "
+              f"{costs['sync']['us_per_call']:.1f}  over-provisioned {costs['oversample']['us_per_call']:.1f}  "
               f"worker alone {worker['us_per_call']:.1f}  budget {rows[-1]['budget_us_per_call']:.1f} us/call  "
               f"-> jobs.simulate ~{rows[-1]['predicted_cpu_s']:.0f} s CPU", flush=True)
     write_result(args.json, {"wall_s": time.time() - t0, "steps": args.steps, "warmup": args.warmup,

@@ -26,6 +26,7 @@ import math
 import statistics
 from pathlib import Path
 
+from jobs.bench.rollout import with_rollout
 from jobs.common import init_ray, parse, write_result
 from april_ray.placement import plan
 from jobs.train import train
@@ -48,14 +49,12 @@ def mode_configs(cfg, factors: list[float]) -> dict[str, object]:
     """sync (N' = N, no partial rollouts), APRIL as configured, and APRIL at N' = factor x N per factor."""
     n = cfg.rollout.rollout_batch_size
 
-    def with_rollout(**kw):
-        return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **kw))
-
-    modes = {"sync": with_rollout(partial_rollout=False, over_sampling_batch_size=n),
-             "april": with_rollout(partial_rollout=True)}
+    modes = {"sync": with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n),
+             "april": with_rollout(cfg, partial_rollout=True)}
     for f in factors:
         if max(n, round(f * n)) != cfg.rollout.over_sampling_batch_size:  # else it is `april`'s run
-            modes[f"april_{f:g}"] = with_rollout(partial_rollout=True, over_sampling_batch_size=max(n, round(f * n)))
+            modes[f"april_{f:g}"] = with_rollout(cfg, partial_rollout=True,
+                                                 over_sampling_batch_size=max(n, round(f * n)))
     return modes
 
 
