@@ -9,8 +9,8 @@ simulated engines (april_ray/sim/), from a few GPUs to a thousand.
 For each GPU count: the synchronous baseline (N groups in flight), and at each N'/N APRIL and the
 over-provisioned baseline (slime's rollout without partial rollout, the APRIL paper's baseline: N' groups
 start the step, the unfinished ones are discarded at the N-th complete group), with the completion
-monitor, prompt source, partial-rollout store and engine workers of the training job, on engines whose step costs follow
-the accelerator's roofline and whose responses end at lengths drawn from `simulate.length_*`
+monitor, prompt source, partial-rollout store and engine workers of the training job, on engines whose
+step costs follow the accelerator's roofline and whose responses end at lengths drawn from `simulate.length_*`
 (april_ray/sim/config.py; every constant is listed under `assumptions` in the JSON). The simulated engines
 replace the configured backend (`engine.backend` and the server's settings are not used, except
 `engine.mem_fraction`, the share of memory for weights and KV cache). Throughput, and with it
