@@ -224,12 +224,14 @@ def format_row(r: dict) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
+    """Left: utilization vs N'/N per GPU count (APRIL, the over-provisioned baseline, sync); right: the
+    same against the GPU count, one line per schedule and factor."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, by_gpus) = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, g in enumerate(sorted({r["gpus"] for r in rows})):
         rs = sorted((r for r in rows if r["gpus"] == g), key=lambda r: r["factor"])
         line, = ax.plot([r["factor"] for r in rs], [r["april_utilization"] for r in rs], "o-", label=f"APRIL, {g} GPUs")
@@ -238,10 +240,21 @@ def plot(rows: list[dict], path: str) -> None:
         ax.axhline(rs[0]["sync_utilization"], color=line.get_color(), ls=":", lw=1,
                    label=f"sync, {g} GPUs")
     ax.set_xlabel("over-provisioning N'/N (APRIL and the over-provisioned baseline)")
-    ax.set_ylabel("utilization of the saturated ceiling")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    for f in sorted({r["factor"] for r in rows}):
+        rs = sorted((r for r in rows if r["factor"] == f), key=lambda r: r["gpus"])
+        gpus = [r["gpus"] for r in rs]
+        line, = by_gpus.plot(gpus, [r["april_utilization"] for r in rs], "o-", label=f"APRIL, N'/N = {f:g}")
+        by_gpus.plot(gpus, [r["oversample_utilization"] for r in rs], "s--", color=line.get_color(), lw=1, ms=4,
+                     label=f"over-provisioned baseline, N'/N = {f:g}")
+    rs = sorted({r["gpus"]: r for r in rows}.values(), key=lambda r: r["gpus"])
+    by_gpus.plot([r["gpus"] for r in rs], [r["sync_utilization"] for r in rs], "k:", marker="^", lw=1, label="sync")
+    by_gpus.set_xscale("log", base=2)
+    by_gpus.set_xlabel("GPUs")
+    for a in (ax, by_gpus):
+        a.set_ylabel("utilization of the saturated ceiling")
+        a.set_ylim(0, 1)
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7, ncol=2 if a is ax else 1)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
