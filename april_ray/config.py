@@ -190,7 +190,8 @@ class RolloutConfig:
     ones are aborted and discarded with their tokens (their prompts are not retried), as are complete
     groups beyond N. No top-up, but for the dynamic filter: once its drops leave fewer than N groups that
     could complete, one fresh group per missing one (slime submits another N' at once). A step that fails
-    keeps everything in the store, as every schedule does. false: the baseline keeps N groups in flight
+    keeps everything in the store, as every schedule does. It never resumes what it aborts, so the CPU
+    engine's parking (`engine.park_slots`) only costs it time. false: the baseline keeps N groups in flight
     and discards nothing."""
     dynamic_filter: bool = False
     """DAPO dynamic sampling: drop complete groups whose rewards all agree, and refill their slots."""
