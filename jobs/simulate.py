@@ -69,16 +69,24 @@ def parse() -> tuple:
         parser.error(f"--workers {args.workers}: must be at least 1")
     if args.workers > 1 and (args.calibrate or args.measure_cpu):
         parser.error("--workers runs the GPU study's schedules side by side; --calibrate and --measure-cpu run alone")
-    sim_items = [o for o in args.overrides if o.startswith("simulate.")]
-    rest = [o for o in args.overrides if not o.startswith("simulate.")]
-    try:
-        cfg = load_config(args.config, rest)
-        sim = load_simulate_config(sim_items)
-    except ConfigError as e:
-        parser.error(str(e))
+    cfg, sim = study_inputs(parser, args)
     if args.print_config:
         print(to_yaml(cfg))
         raise SystemExit(0)
+    default = cfg.rollout.over_sampling_batch_size / cfg.rollout.rollout_batch_size
+    args.factors = number_list(parser, "--factors", args.factors, float, lambda f: 1 <= f < float("inf"),
+                               "N'/N of at least 1") if args.factors else [default]
+    return cfg, sim, args
+
+
+def study_inputs(parser, args) -> tuple:
+    """The job's config and its `simulate.*` section from `args.config` and `args.overrides`, the lengths
+    file read once, and `args.gpus` parsed: anything bad stops the job with a message naming it."""
+    try:
+        cfg = load_config(args.config, [o for o in args.overrides if not o.startswith("simulate.")])
+        sim = load_simulate_config([o for o in args.overrides if o.startswith("simulate.")])
+    except ConfigError as e:
+        parser.error(str(e))
     if sim.length_file:
         from april_ray.sim.workload import load_lengths_file
         try:
@@ -88,10 +96,7 @@ def parse() -> tuple:
     tp = max(1, cfg.placement.engine_gpus)
     args.gpus = number_list(parser, "--gpus", args.gpus, int, lambda g: g >= tp and g % tp == 0,
                             f"multiples of placement.engine_gpus={tp} (GPUs per engine)")
-    default = cfg.rollout.over_sampling_batch_size / cfg.rollout.rollout_batch_size
-    args.factors = number_list(parser, "--factors", args.factors, float, lambda f: 1 <= f < float("inf"),
-                               "N'/N of at least 1") if args.factors else [default]
-    return cfg, sim, args
+    return cfg, sim
 
 
 def number_list(parser, flag: str, text: str, kind, ok, rule: str) -> list:

@@ -23,15 +23,14 @@ import asyncio
 import time
 
 from jobs.common import write_result
-from jobs.simulate import number_list
-from april_ray.config import ConfigError, add_config_args, load_config
+from jobs.simulate import study_inputs
+from april_ray.config import add_config_args
 from april_ray.rollout.engine_worker import EngineWorker
 from april_ray.rollout.local import LocalPool
 from april_ray.rollout.prompt_source import PromptSource
 from april_ray.sim import study
 from april_ray.sim.clock import run_virtual
 from april_ray.sim.cluster import InlineReward
-from april_ray.sim.config import load_simulate_config
 from april_ray.types import FinishReason, GenerateOutput, SamplingParams
 
 BAR_CPU_S = 120.0
@@ -105,14 +104,7 @@ def main() -> None:
     args = parser.parse_intermixed_args()
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
-    try:
-        cfg = load_config(args.config, [o for o in args.overrides if not o.startswith("simulate.")])
-        sim = load_simulate_config([o for o in args.overrides if o.startswith("simulate.")])
-    except ConfigError as e:
-        parser.error(str(e))
-    tp = max(1, cfg.placement.engine_gpus)
-    args.gpus = number_list(parser, "--gpus", args.gpus, int, lambda g: g >= tp and g % tp == 0,
-                            f"multiples of placement.engine_gpus={tp} (GPUs per engine)")
+    cfg, sim = study_inputs(parser, args)
     factor = cfg.rollout.over_sampling_batch_size / cfg.rollout.rollout_batch_size
     t0 = time.time()
     rows = []
