@@ -136,6 +136,16 @@ class Sample:
     def input_ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
+    def resend(self) -> "Sample":
+        """The copy an engine call extends, counting the call as a resume if the sample has tokens (the
+        original stays as it was sent, for a call that fails). A shallow copy: `extend` replaces the lists."""
+        new = object.__new__(Sample)
+        d = new.__dict__
+        d.update(self.__dict__)
+        if self.response_ids:
+            d["num_resumes"] += 1
+        return new
+
     def extend(self, out: GenerateOutput) -> None:
         """Append an engine result; an aborted result leaves the sample PARTIAL, anything else FINISHED."""
         assert len(out.token_ids) <= self.remaining_budget, "engine exceeded the remaining budget"

@@ -452,3 +452,43 @@ def test_first_prompts_are_the_prompts_a_source_hands_out_first():
     groups = PromptSource(examples, encode, 4, 16, seed=7).take(12)
     assert first_prompts(examples, encode, 7, 12) == [g.samples[0].prompt_ids for g in groups]
     assert first_prompts(examples, encode, 7, 12) != first_prompts(examples, encode, 8, 12)
+
+
+def test_version_counts_are_exact_for_runs_and_for_lists_out_of_order():
+    import random
+    from collections import Counter
+
+    from april_ray.rollout.engine_worker import version_counts
+
+    assert version_counts([]) == {}
+    assert version_counts([4, 4, 4]) == {4: 3}
+    assert list(version_counts([2, 2, 3, 5, 5, 5]).items()) == [(2, 2), (3, 1), (5, 3)]
+    # runs whose value recurs later, or a list in descending order, are counted in full, oldest first
+    assert list(version_counts([1, 1, 2, 1]).items()) == [(1, 3), (2, 1)]
+    assert list(version_counts([5, 5, 3, 3]).items()) == [(3, 2), (5, 2)]
+    rng = random.Random(0)
+    for _ in range(2000):
+        v = [rng.randint(0, 4) for _ in range(rng.randint(1, 30))]
+        for versions in (v, sorted(v), sorted(v, reverse=True)):
+            assert list(version_counts(versions).items()) == sorted(Counter(versions).items())
+
+
+def test_a_resent_sample_is_a_copy_and_the_sampling_per_budget_is_shared_until_replaced():
+    import dataclasses
+
+    from april_ray.rollout.engine_worker import EngineWorker
+    from april_ray.types import FinishReason, GenerateOutput, Sample, SamplingParams
+
+    s = Sample("g0s0", "g0", "p", "a", [1, 2], 8)
+    fresh = s.resend()
+    assert fresh is not s and fresh.num_resumes == 0 and fresh.response_ids is s.response_ids
+    fresh.extend(GenerateOutput("r", [7, 8], [-1.0, -1.0], [0, 0], FinishReason.ABORT))
+    assert s.response_ids == [] and s.state == SampleState.QUEUED  # the original is as it was sent
+    again = fresh.resend()
+    assert again.num_resumes == 1 and fresh.num_resumes == 0 and again.input_ids == [1, 2, 7, 8]
+
+    w = EngineWorker(None, str, None, SamplingParams(temperature=0.5, max_new_tokens=8))
+    assert w._sampling_for(6) is w._sampling_for(6)
+    assert (w._sampling_for(6).max_new_tokens, w._sampling_for(6).temperature) == (6, 0.5)
+    w.sampling = dataclasses.replace(w.sampling, temperature=0.0)
+    assert w._sampling_for(6).temperature == 0.0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from bisect import bisect_right
 from collections import deque
 from functools import partial
 
@@ -26,13 +27,24 @@ from april_ray.types import GenerateRequest, Sample, SampleMeta, SampleState, Sa
 
 def version_counts(versions: list[int]) -> dict[int, int]:
     """Tokens per version, oldest first. Most responses hold one version (one C-level count says so); the
-    rest few, one count each: either beats a `Counter` (a sixth of the worker's CPU in a large simulation)."""
+    rest a few runs, as the tokens came, each found by a binary search and checked by a count of the whole
+    list (a run whose value also occurs elsewhere, as in a list that is not in order, fails the check, and
+    the list is counted value by value). Either beats a `Counter` (a sixth of the worker's CPU in a large
+    simulation), and the runs beat a set of the list (another tenth)."""
     if not versions:
         return {}
-    n = versions.count(versions[0])
-    if n == len(versions):
+    n = len(versions)
+    if versions.count(versions[0]) == n:
         return {versions[0]: n}
-    return {v: versions.count(v) for v in sorted(set(versions))}
+    counts, i = {}, 0
+    while i < n:  # every value is counted in full: the runs cover the list only if each is all of its value
+        v = versions[i]
+        j = bisect_right(versions, v, i)
+        if v in counts or versions.count(v) != j - i:
+            return {v: versions.count(v) for v in sorted(set(versions))}
+        counts[v] = j - i
+        i = j
+    return counts if list(counts) == sorted(counts) else dict(sorted(counts.items()))
 
 
 def sample_meta(sample: Sample, num_new_tokens: int) -> SampleMeta:
@@ -78,7 +90,20 @@ class EngineWorker:
         self.reward = RewardRunner(reward_fn, reward_timeout_s)
         """Off the event loop with a timeout; a call that fails scores 0 and is counted (`stats`)."""
         self.sampling = sampling
+        self._by_budget: dict[int, SamplingParams] = {}
+        self._by_budget_of = sampling
         self.closed_steps: deque = deque(maxlen=64)
+
+    def _sampling_for(self, budget: int) -> SamplingParams:
+        """The sampling parameters with `max_new_tokens=budget`: one shared copy per budget (requests only
+        read them), made once instead of at every call (and again if `sampling` is replaced). Fresh samples
+        all ask for the whole budget; the cache is small, as a large simulation has a worker per engine."""
+        sp = self._by_budget.get(budget)
+        if sp is None or self._by_budget_of is not self.sampling:
+            if len(self._by_budget) >= 64 or self._by_budget_of is not self.sampling:
+                self._by_budget, self._by_budget_of = {}, self.sampling
+            sp = self._by_budget[budget] = with_fields(self.sampling, max_new_tokens=budget)
+        return sp
 
     async def generate_group(self, samples: list[Sample], step) -> tuple[list[SampleMeta], list[Sample]]:
         """Generate some samples of one group at once. Each output is taken the moment it arrives (a done
@@ -88,12 +113,14 @@ class EngineWorker:
             return [sample_meta(s, 0) for s in samples], list(samples)
         group = _GroupCall(asyncio.get_running_loop().create_future(), len(samples))
         calls = []
+        tag = f"@{step}"
         try:
             for s in samples:
-                s = with_fields(s, num_resumes=s.num_resumes + bool(s.response_ids))
-                sp = with_fields(self.sampling, max_new_tokens=s.remaining_budget)
-                out = asyncio.ensure_future(self.engine.generate(GenerateRequest(f"{s.sample_id}@{step}", s.input_ids,
-                                                                                 sp)))
+                s = s.resend()
+                out = self.engine.generate(GenerateRequest(s.sample_id + tag, s.input_ids,
+                                                           self._sampling_for(s.remaining_budget)))
+                if not isinstance(out, asyncio.Future):  # a coroutine (the CPU engine's, SGLang's client)
+                    out = asyncio.ensure_future(out)
                 out.add_done_callback(partial(self._arrived, s, group))
                 calls.append((s, out))
             await group.done

@@ -299,8 +299,11 @@ class SimEngine:
         r.fut.set_result(GenerateOutput(r.request_id, [r.token] * n, [-1.0] * n, versions, reason))
 
     def _admit(self) -> None:
-        prefill, inputs, admitted, restored = 0, [], 0, 0
         self.prefill_full = False
+        if not self.waiting:  # most boundaries: a finish or an abort, nothing to admit
+            self._prefill_s = 0.0
+            return
+        prefill, inputs, admitted, restored = 0, [], 0, 0
         while self.waiting and len(self.running) < self.cap:
             r = self.waiting[0]
             hit = self.parked.get((r.key, r.input_len))
