@@ -71,5 +71,9 @@ class CompletionMonitorActor:
                 "dropped_groups": self.monitor.num_dropped_groups, "alive_engines": self.monitor.alive}
 
     async def restore_counters(self, counters: dict) -> None:
+        """With the store restored beside it: what the monitor kept of the stored samples (their handles
+        and metas, by sample id) is of samples no longer there, and the source may hand the ids out again."""
         self.monitor.num_returned_groups = counters["returned_groups"]
         self.monitor.num_dropped_groups = counters["dropped_groups"]
+        self.monitor.finished_handles.clear()
+        self.monitor.finished_metas.clear()

@@ -32,7 +32,7 @@ from typing import Any, Awaitable, Protocol
 from april_ray.config import RolloutConfig
 from april_ray.rollout.engine_worker import sample_meta
 from april_ray.rollout.step_state import Call, EngineLoads, Flight, StepState
-from april_ray.types import Group, SampleMeta, SampleState, StepResult
+from april_ray.types import Group, SampleMeta, SampleState, StepResult, with_fields
 
 
 class EngineFailure(RuntimeError):
@@ -84,6 +84,10 @@ class CompletionMonitor:
         """Sample id -> this monitor's handle of its finished result, for samples whose group went to
         the store unfinished: when the group comes back, the batch reuses the handle instead of making
         a new object of the store's copy (on Ray, a `ray.put` per sample was a tenth of a step)."""
+        self.finished_metas: dict[str, SampleMeta] = {}
+        """Sample id -> its meta (as of no new tokens), for the same samples: a finished sample does not
+        change in the store, so its meta is not derived again from its tokens at every step its group
+        comes back (`sample_meta` counts the versions of every token)."""
 
     # -- one step ---------------------------------------------------------------------------------------
     async def step(self, step: int, version: int) -> StepResult:
@@ -176,7 +180,7 @@ class CompletionMonitor:
         flight = s.flights[group.group_id] = Flight.of(group)
         for i, sample in enumerate(group.samples):
             if sample.state == SampleState.FINISHED:
-                flight.metas[i] = sample_meta(sample, 0)
+                flight.metas[i] = self.finished_metas.get(sample.sample_id) or sample_meta(sample, 0)
                 flight.handles[i] = self.finished_handles.get(sample.sample_id, sample)
         if dispatch and not flight.complete:
             s.queue.append(group.group_id)
@@ -291,6 +295,7 @@ class CompletionMonitor:
             for m in s.flights[gid].metas:
                 if m is not None:
                     self.finished_handles.pop(m.sample_id, None)
+                    self.finished_metas.pop(m.sample_id, None)
         return StepResult(s.step, [list(s.flights[g].handles) for g in batch], metas, metrics, staleness, batch,
                           dict(s.dropped), [list(s.flights[g].handles) for g in s.dropped], discarded)
 
@@ -342,6 +347,7 @@ class CompletionMonitor:
             for m, h in zip(f.metas, f.handles):
                 if m is not None and m.state == SampleState.FINISHED:
                     self.finished_handles[m.sample_id] = h
+                    self.finished_metas[m.sample_id] = with_fields(m, num_new_tokens=0) if m.num_new_tokens else m
         return partial
 
 
