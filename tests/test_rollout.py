@@ -473,10 +473,9 @@ def test_version_counts_are_exact_for_runs_and_for_lists_out_of_order():
             assert list(version_counts(versions).items()) == sorted(Counter(versions).items())
 
 
-def test_a_resent_sample_is_a_copy_and_the_sampling_per_budget_is_shared_until_replaced():
+def test_a_resent_sample_is_a_copy_and_sampling_parameters_per_budget_are_shared():
     import dataclasses
 
-    from april_ray.rollout.engine_worker import EngineWorker
     from april_ray.types import FinishReason, GenerateOutput, Sample, SamplingParams
 
     s = Sample("g0s0", "g0", "p", "a", [1, 2], 8)
@@ -487,8 +486,10 @@ def test_a_resent_sample_is_a_copy_and_the_sampling_per_budget_is_shared_until_r
     again = fresh.resend()
     assert again.num_resumes == 1 and fresh.num_resumes == 0 and again.input_ids == [1, 2, 7, 8]
 
-    w = EngineWorker(None, str, None, SamplingParams(temperature=0.5, max_new_tokens=8))
-    assert w._sampling_for(6) is w._sampling_for(6)
-    assert (w._sampling_for(6).max_new_tokens, w._sampling_for(6).temperature) == (6, 0.5)
-    w.sampling = dataclasses.replace(w.sampling, temperature=0.0)
-    assert w._sampling_for(6).temperature == 0.0
+    from april_ray.rollout.engine_worker import sampling_for
+
+    sp = SamplingParams(temperature=0.5, max_new_tokens=8)
+    assert sampling_for(sp, 6) is sampling_for(sp, 6)
+    assert (sampling_for(sp, 6).max_new_tokens, sampling_for(sp, 6).temperature, sp.max_new_tokens) == (6, 0.5, 8)
+    greedy = dataclasses.replace(sp, temperature=0.0)
+    assert sampling_for(greedy, 6).temperature == 0.0 and sampling_for(sp, 6).temperature == 0.5

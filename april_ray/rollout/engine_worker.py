@@ -52,6 +52,24 @@ def sample_meta(sample: Sample, num_new_tokens: int) -> SampleMeta:
                       len(sample.response_ids), sample.reward, version_counts(sample.versions))
 
 
+_BY_BUDGET: dict[tuple[int, int], tuple[SamplingParams, SamplingParams]] = {}
+
+
+def sampling_for(sampling: SamplingParams, budget: int) -> SamplingParams:
+    """`sampling` with `max_new_tokens=budget`, one shared copy per (parameters, budget) in the process
+    (requests only read them): made once instead of at every engine call. Fresh samples all ask for the
+    whole budget; a large simulation's thousand workers share the parameters, and so the copies. An entry
+    holds its parameters, so their id stays theirs while it lives."""
+    hit = _BY_BUDGET.get((id(sampling), budget))
+    if hit is not None and hit[0] is sampling:
+        return hit[1]
+    if len(_BY_BUDGET) >= 4096:
+        _BY_BUDGET.clear()
+    sp = with_fields(sampling, max_new_tokens=budget)
+    _BY_BUDGET[(id(sampling), budget)] = (sampling, sp)
+    return sp
+
+
 def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig, task: TaskConfig,
                  model_path: str, version: int = 0) -> "EngineWorker":
     """An EngineWorker on the configured engine backend, with the task's reward (under its timeout) and the
@@ -90,20 +108,7 @@ class EngineWorker:
         self.reward = RewardRunner(reward_fn, reward_timeout_s)
         """Off the event loop with a timeout; a call that fails scores 0 and is counted (`stats`)."""
         self.sampling = sampling
-        self._by_budget: dict[int, SamplingParams] = {}
-        self._by_budget_of = sampling
         self.closed_steps: deque = deque(maxlen=64)
-
-    def _sampling_for(self, budget: int) -> SamplingParams:
-        """The sampling parameters with `max_new_tokens=budget`: one shared copy per budget (requests only
-        read them), made once instead of at every call (and again if `sampling` is replaced). Fresh samples
-        all ask for the whole budget; the cache is small, as a large simulation has a worker per engine."""
-        sp = self._by_budget.get(budget)
-        if sp is None or self._by_budget_of is not self.sampling:
-            if len(self._by_budget) >= 64 or self._by_budget_of is not self.sampling:
-                self._by_budget, self._by_budget_of = {}, self.sampling
-            sp = self._by_budget[budget] = with_fields(self.sampling, max_new_tokens=budget)
-        return sp
 
     async def generate_group(self, samples: list[Sample], step) -> tuple[list[SampleMeta], list[Sample]]:
         """Generate some samples of one group at once. Each output is taken the moment it arrives (a done
@@ -118,7 +123,7 @@ class EngineWorker:
             for s in samples:
                 s = s.resend()
                 out = self.engine.generate(GenerateRequest(s.sample_id + tag, s.input_ids,
-                                                           self._sampling_for(s.remaining_budget)))
+                                                           sampling_for(self.sampling, s.remaining_budget)))
                 if not isinstance(out, asyncio.Future):  # a coroutine (the CPU engine's, SGLang's client)
                     out = asyncio.ensure_future(out)
                 out.add_done_callback(partial(self._arrived, s, group))

@@ -121,6 +121,8 @@ class Schedule:
                             self.loop.cpu[CONTROL_PLANE] - cpu0,
                             time.process_time() - proc0, len(self.store))
         record.trained_with_prompts = self._check(result)
+        for e in self.engines:  # nothing reads their per-step occupancy: drained, it does not pile up
+            e.stats(drain=True)
         if measured:
             self.records.append(record)
 
