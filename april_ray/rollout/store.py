@@ -8,10 +8,9 @@ for the learner to mask (`stale_policy`).
 """
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 
-from april_ray.types import FinishReason, Group, Sample, SampleState
+from april_ray.types import FinishReason, Group, Sample, SampleState, with_fields
 
 
 class PartialRolloutStore:
@@ -173,4 +172,4 @@ def group_from_json(d: dict, where: str) -> Group:
 
 def resolve_groups(groups: list[Group], resolve) -> list[Group]:
     """Groups arrive with sample handles (object refs on Ray); the store keeps values."""
-    return [dataclasses.replace(g, samples=[resolve(s) for s in g.samples]) for g in groups]
+    return [with_fields(g, samples=[resolve(s) for s in g.samples]) for g in groups]
