@@ -30,11 +30,18 @@ class SimulationStalled(RuntimeError):
     """Nothing is ready and no timer is set: every task waits for something that will never happen."""
 
 
+def _other_threads() -> bool:
+    """`threading.active_count() > 1` without its lock (a check per loop iteration): the two registries
+    it counts, read as they are (a dict's length is read atomically)."""
+    return len(threading._active) + len(threading._limbo) > 1
+
+
 class _VirtualSelector(selectors.SelectSelector):
     """Never sleeps in virtual time; but while another thread is alive (a result may come back through
     `call_soon_threadsafe`), it waits for real, up to THREAD_WAIT_S, before moving the clock on (only
     then: with callbacks ready it just polls). With no other thread it makes no system call at all (one
-    `select` per loop iteration was ~9% of a large simulation's CPU)."""
+    `select` per loop iteration was ~9% of a large simulation's CPU); `VirtualLoop._run_once` then does not
+    call it either."""
 
     THREAD_WAIT_S = 5.0
 
@@ -43,7 +50,7 @@ class _VirtualSelector(selectors.SelectSelector):
         self.loop = loop
 
     def select(self, timeout=None):
-        threads = threading.active_count() > 1  # alone, nothing can write to the loop's pipes
+        threads = _other_threads()  # alone, nothing can write to the loop's pipes
         if timeout is not None and timeout <= 0:
             return super().select(0) if threads else []
         waited = 0.0
@@ -52,7 +59,7 @@ class _VirtualSelector(selectors.SelectSelector):
             if events:
                 return events
             waited += 0.01
-            threads = threading.active_count() > 1
+            threads = _other_threads()
         if timeout is None:
             raise SimulationStalled("virtual clock: no callback is ready and no timer is set")
         self.loop.now += timeout
@@ -94,6 +101,8 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
     def _account(self, callback) -> str | None:
         owner = getattr(callback, "__self__", None)
+        if owner is None:  # a function or a partial (most: a future's done callback) belongs to no owner
+            return self.default_account
         if self._spawning is not None and isinstance(owner, asyncio.Task):
             self.watch(owner, self._spawning)
         entry = self.owners.get(id(owner))
@@ -130,7 +139,12 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         while timers and timers[0][2]._cancelled:
             heapq.heappop(timers)[2]._scheduled = False
         timeout = 0 if ready or self._stopping else max(0.0, timers[0][0] - self.now) if timers else None
-        self._process_events(self._selector.select(timeout))
+        if _other_threads():  # a result may come through the self-pipe: the selector waits for it
+            self._process_events(self._selector.select(timeout))
+        elif timeout is None:
+            raise SimulationStalled("virtual clock: no callback is ready and no timer is set")
+        else:  # alone: nothing can arrive, the selector would only move the clock (`_VirtualSelector`)
+            self.now += timeout
         end = self.now + self._clock_resolution
         while timers and timers[0][0] < end:
             handle = heapq.heappop(timers)[2]
