@@ -3,6 +3,7 @@ rollout on simulated engines, and `jobs.simulate`'s output."""
 import asyncio
 import json
 import math
+import random
 import re
 import subprocess
 import sys
@@ -127,6 +128,29 @@ class Lengths:
     def __call__(self, request):
         return self.length - (len(request.input_ids) - 1), 0
 
+
+
+def test_steps_within_is_the_bisection_over_every_step():
+    """`steps_within` starts from a bound (the step cost's tangent at the first step) and costs one or two
+    spans; it must give what a bisection over all n steps gives, for any mix of lines and padding."""
+    rng = random.Random(7)
+
+    def bisect(c, rows, ctx, n, seconds, att):
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if c.decode_span(rows, ctx, mid, att) <= seconds else (lo, mid - 1)
+        return lo
+
+    for _ in range(3000):
+        terms = tuple((rng.choice([0.0, rng.uniform(0, 1e-2)]), rng.choice([0.0, rng.uniform(0, 1e-4)]),
+                       rng.choice([0.0, rng.uniform(0, 1e-7)])) for _ in range(rng.choice([1, 2, 2, 3])))
+        c = StepCost(rng.choice([0.0, rng.uniform(0, 1e-3)]), terms, 0.0, 0.0,
+                     per_attended=rng.choice([0.0, rng.uniform(0, 1e-8)]))
+        rows, ctx, n, att = rng.randint(1, 256), rng.uniform(0, 1e6), rng.randint(0, 20000), rng.uniform(0, 1e6)
+        total = c.decode_span(rows, ctx, n, att)
+        seconds = rng.choice([rng.uniform(0, 1.2 * total), c.decode_span(rows, ctx, rng.randint(0, n), att), 0.0])
+        assert c.steps_within(rows, ctx, n, seconds, att) == bisect(c, rows, ctx, n, seconds, att), (terms, rows, n)
 
 def request(rid, done=0, budget=100):
     return GenerateRequest(rid, [0] * (1 + done), SamplingParams(max_new_tokens=budget))

@@ -151,7 +151,9 @@ class EngineWorker:
         sample.extend(out.result())
         if sample.state == SampleState.FINISHED:
             reward = self.reward(sample.prompt, self.decode(sample.response_ids), sample.answer)
-            group.rewards.append((sample, asyncio.ensure_future(reward)))
+            if not isinstance(reward, asyncio.Future):  # a coroutine (`RewardRunner`'s)
+                reward = asyncio.ensure_future(reward)
+            group.rewards.append((sample, reward))
         group.left -= 1
         if not group.left:
             group.done.set_result(None)

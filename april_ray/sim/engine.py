@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from april_ray.sim.hardware import StepCost
 from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
 
+_STOP, _LENGTH = FinishReason.STOP, FinishReason.LENGTH
+
 
 class _Request:
     """One request in the engine. `key`: its sample's id (the key of its parked cache); `todo`: tokens to
@@ -114,19 +116,19 @@ class SimEngine:
     # -- the Engine protocol ----------------------------------------------------------------------------
     def generate(self, request: GenerateRequest) -> "asyncio.Future[GenerateOutput]":
         left, token = self.target(request)
-        budget = request.sampling.max_new_tokens
-        if budget <= 0 or not request.input_ids:
+        budget, n_in = request.sampling.max_new_tokens, len(request.input_ids)
+        if budget <= 0 or not n_in:
             raise ValueError(f"request {request.request_id}: needs input ids and max_new_tokens > 0")
         todo = max(1, left)
-        reason = FinishReason.STOP if todo <= budget else FinishReason.LENGTH
-        if len(request.input_ids) + min(todo, budget) > self.kv_capacity:
-            raise ValueError(f"request {request.request_id}: {len(request.input_ids)} blocks of input and up to "
-                             f"{min(todo, budget)} new ones do not fit the KV cache of {self.kv_capacity} blocks")
+        new = min(todo, budget)
+        if n_in + new > self.kv_capacity:
+            raise ValueError(f"request {request.request_id}: {n_in} blocks of input and up to {new} new ones do "
+                             f"not fit the KV cache of {self.kv_capacity} blocks")
         fut = self.loop.create_future()
         self.num_requests += 1
         key = request.request_id.rpartition("@")[0] or request.request_id
-        self.waiting.append(_Request(request.request_id, key, fut, len(request.input_ids), min(todo, budget),
-                                     reason, token))
+        self.waiting.append(_Request(request.request_id, key, fut, n_in, new, _STOP if todo <= budget else _LENGTH,
+                                     token))
         self._poke()
         return fut
 
