@@ -96,7 +96,6 @@ class SimEngine:
         """When the last span ended (the next one starts then, or on arrival if idle)."""
         self.num_generated = self.num_prefill = self.num_reused = self.num_retracted = 0
         self.busy_s = self.row_seconds = 0.0
-        self.num_steps = self.row_steps = 0
         self.num_requests = self.num_spans = 0
         """Requests received; spans run (each ends at an event: the simulation's unit of engine work)."""
         self.context_steps = 0
@@ -112,6 +111,16 @@ class SimEngine:
         if cost.per_attended:
             from april_ray.engine.model_runner import span_bucket
             self.span_class = span_bucket
+
+    @property
+    def num_steps(self) -> int:
+        """Steps run (one token per running row each): the step counter, which starts at 0."""
+        return self.steps
+
+    @property
+    def row_steps(self) -> int:
+        """Rows summed over steps: a running row decodes one token a step, so the tokens generated."""
+        return self.num_generated
 
     # -- the Engine protocol ----------------------------------------------------------------------------
     def generate(self, request: GenerateRequest) -> "asyncio.Future[GenerateOutput]":
@@ -221,8 +230,10 @@ class SimEngine:
         self.timer = None
         s = self.span
         if s is not None:
-            end = self._span_end(s)
-            if end > self.loop.time() + 1e-12:  # the thread was held up meanwhile: the span ends later
+            end = s.t_start + s.prefill_s + s.decode_s  # `_span_end`, inline (a boundary per event)
+            if self.loop.stall:
+                end += self.loop.stall_s - s.stall0
+            if end > self.loop.now + 1e-12:  # the thread was held up meanwhile: the span ends later
                 self.timer = self.loop.call_at(end, self._boundary)
                 return
             self._advance(s, end)
@@ -242,9 +253,7 @@ class SimEngine:
         self.num_generated += s.rows * s.n
         self.busy_s += end - s.t_start
         self.row_seconds += s.rows * (end - s.t_start)
-        self.num_steps += s.n
         self.num_spans += 1
-        self.row_steps += s.rows * s.n
         self.context_steps += s.context * s.n + s.rows * s.n * (s.n - 1) // 2
         if s.attended:
             self.attended_steps += s.attended * s.n + s.rows * self.block * s.n * (s.n - 1) / 2
@@ -253,10 +262,10 @@ class SimEngine:
 
     def _retire(self) -> None:
         """Resolve finished rows, then aborted ones (with their tokens so far)."""
-        while self.finish_heap and self.finish_heap[0][0] <= self.steps:
-            _, _, rid = heapq.heappop(self.finish_heap)
-            r = self.running.get(rid)
-            if r is not None and r.start + r.todo == self.steps:
+        heap, running, steps = self.finish_heap, self.running, self.steps
+        while heap and heap[0][0] <= steps:
+            r = running.get(heapq.heappop(heap)[2])
+            if r is not None and r.start + r.todo == steps:
                 self._remove(r)
                 self._resolve(r, r.reason)
         for rid, park in self.aborting.items():
@@ -271,9 +280,12 @@ class SimEngine:
 
     def _remove(self, r: _Request) -> None:
         del self.running[r.request_id]
-        generated = self.steps - r.start
+        steps = self.steps
+        generated = steps - r.start
         self.context -= r.input_len + generated
-        self._close_run(r)
+        if steps > r.mark:  # `_close_run`, inline (every request leaves through here)
+            r.runs.append((self.version, steps - r.mark))
+        r.mark = steps
         r.input_len += generated
         r.todo -= generated
 
@@ -302,36 +314,38 @@ class SimEngine:
 
     def _admit(self) -> None:
         self.prefill_full = False
-        if not self.waiting:  # most boundaries: a finish or an abort, nothing to admit
+        waiting = self.waiting
+        if not waiting or len(self.running) >= self.cap:  # most boundaries: nothing to admit, or no row free
             self._prefill_s = 0.0
             return
+        running, parked, heap, steps, version = self.running, self.parked, self.finish_heap, self.steps, self.version
         prefill, inputs, admitted, restored = 0, [], 0, 0
-        while self.waiting and len(self.running) < self.cap:
-            r = self.waiting[0]
-            hit = self.parked.get((r.key, r.input_len))
-            reuse = hit is not None and self.version - hit <= self.stale_kv_versions
+        while waiting and len(running) < self.cap:
+            r = waiting[0]
+            hit = parked.get((r.key, r.input_len)) if parked else None
+            reuse = hit is not None and version - hit <= self.stale_kv_versions
             cost = 0 if reuse else r.input_len
-            if self.context + r.input_len + len(self.running) + 1 > self.kv_capacity:
+            if self.context + r.input_len + len(running) + 1 > self.kv_capacity:
                 break  # no room in the KV cache: it waits
             if inputs and prefill + cost > self.max_prefill:
                 self.prefill_full = True  # it joins at the next step, with the next step's budget
                 break
-            self.waiting.popleft()
+            waiting.popleft()
             admitted += 1
             if reuse:
-                del self.parked[(r.key, r.input_len)]
+                del parked[(r.key, r.input_len)]
                 self.num_reused += r.input_len - 1 / self.block  # the last input token is fed by the decode
                 restored += r.input_len * self.block - 1
                 r.kv_version = hit
             else:
                 inputs.append((0, r.input_len * self.block))
-                r.kv_version = self.version
+                r.kv_version = version
             prefill += cost
-            r.start = r.mark = self.steps
-            self.running[r.request_id] = r
+            r.start = r.mark = steps
+            running[r.request_id] = r
             self.context += r.input_len
             self._seq += 1
-            heapq.heappush(self.finish_heap, (r.start + r.todo, self._seq, r.request_id))
+            heapq.heappush(heap, (steps + r.todo, self._seq, r.request_id))
         self.num_prefill += prefill
         self._prefill_s = self.cost.admission(inputs, admitted, restored)
 
@@ -354,11 +368,12 @@ class SimEngine:
                 break
             heapq.heappop(heap)
         n = 1 if self.prefill_full else max(1, min(end - self.steps, room))
-        start = self.t_free if continuing else max(self.t_free, self.loop.time())
-        self.span = _Span(start, rows, self.context, self._prefill_s, n, self.loop.stall_s,
-                          self._attended() if self.span_class else 0.0)
-        self._set_steps(self.span, n)
-        self.timer = self.loop.call_at(self._span_end(self.span), self._boundary)
+        loop = self.loop
+        start = self.t_free if continuing else max(self.t_free, loop.now)
+        attended = self._attended() if self.span_class else 0.0
+        self.span = s = _Span(start, rows, self.context, self._prefill_s, n, loop.stall_s, attended,
+                              self.cost.decode_span(rows, self.context * self.block, n * self.block, attended))
+        self.timer = loop.call_at(self._span_end(s), self._boundary)
 
     def _retract(self) -> None:
         r = self.running[next(reversed(self.running))]

@@ -181,9 +181,9 @@ class StepCost:
         under it, or found by bisection below it: the same answer as bisection over all n, from a couple
         of span costs instead of log2(n)."""
         lines = [(a + b * rows + c * context, c * rows) for a, b, c in self.terms]
-        u = max(l[0] for l in lines)
+        u, v = max(lines)  # the largest line at the first step (of those, the steepest)
         s0 = self.t0 + u + self.per_attended * attended
-        g = max(l[1] for l in lines if l[0] == u) + self.per_attended * rows
+        g = v + self.per_attended * rows
         if s0 > 0:
             half = g / 2
             bound = (seconds / s0 if half <= 0 else
@@ -209,8 +209,12 @@ class StepCost:
         cost = self.per_admitted * admitted + self.per_restored_token * restored
         if not inputs:
             return cost
-        tokens = sum(e - s for s, e in inputs)
-        pairs = sum((e * (e + 1) - s * (s + 1)) / 2 for s, e in inputs)
+        if len(inputs) == 1:  # most admissions (the sums below, without their generators)
+            (s, e), = inputs
+            tokens, pairs = e - s, (e * (e + 1) - s * (s + 1)) / 2
+        else:
+            tokens = sum(e - s for s, e in inputs)
+            pairs = sum((e * (e + 1) - s * (s + 1)) / 2 for s, e in inputs)
         return cost + self.prefill_per_step + self.prefill_per_token * tokens + self.prefill_per_pair * pairs
 
 
