@@ -463,6 +463,24 @@ def test_bench_simulation_counts_the_calls_each_schedule_makes():
     assert alone["sample_calls"] == 2 * 16 * 8 and alone["us_per_call"] > 0
 
 
+def test_bench_simulation_counts_the_same_python_operations_in_every_run():
+    """`--ops`: a schedule's Python operations per sample call, counted by a tracer, are the same from one
+    run to the next (what makes them a measure free of timing noise), and are charged to the files that
+    ran them: the rollout's own code and the simulator's."""
+    from jobs.bench.simulation import schedule_ops
+    from april_ray.config import load_config
+    from april_ray.sim.config import load_simulate_config
+
+    cfg = load_config(str(ROOT / "configs/qwen3_4b_dapo.yaml"), ["sampling.max_response_len=2048"])
+    sim = load_simulate_config(["simulate.length_median=300"])
+    first, again = (schedule_ops(cfg, sim, 8, 2.0, steps=1, warmup=1, schedule="april") for _ in range(2))
+    assert first == again
+    assert first["sample_calls"] > 32 * 8 and first["ops_per_call"] > first["python_calls_per_call"] > 1
+    files = first["ops_per_call_by_file"]
+    assert files["april_ray/rollout/monitor.py"] > 0 and files["april_ray/sim/engine.py"] > 0
+    assert sum(files.values()) == pytest.approx(first["ops_per_call"], rel=1e-3)
+
+
 def test_jobs_simulate_writes_the_promised_keys(tmp_path):
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
     cmd = [sys.executable, "-m", "jobs.simulate", "--config", "configs/qwen3_4b_dapo.yaml", "--gpus", "8,16",

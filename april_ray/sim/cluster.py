@@ -200,6 +200,7 @@ class Schedule:
             "control_plane_cpu_s_per_step": sum(r.control_plane_cpu_s for r in rs) / len(rs),
             "engine_side_cpu_s_per_step": sum(r.process_cpu_s - r.control_plane_cpu_s for r in rs) / len(rs),
             "sample_calls_per_step": c["num_requests"] / len(rs),
+            "sample_calls_with_warmup": sum(x.num_requests for x in self.engines),
             "engine_spans_per_step": c["num_spans"] / len(rs),
             "steps": len(rs),
             "lost_groups": 0,  # `_check` asserts it after every step
