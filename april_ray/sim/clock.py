@@ -99,17 +99,16 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         finally:
             self._spawning = None
 
-    def _account(self, callback) -> str | None:
-        owner = getattr(callback, "__self__", None)
-        if owner is None:  # a function or a partial (most: a future's done callback) belongs to no owner
-            return self.default_account
+    def _account(self, owner) -> str | None:
+        """The account of a callback whose `__self__` is `owner` (a task's step, a method)."""
         if self._spawning is not None and isinstance(owner, asyncio.Task):
             self.watch(owner, self._spawning)
         entry = self.owners.get(id(owner))
         return entry[1] if entry is not None and entry[0] is owner else self.default_account
 
     def call_soon(self, callback, *args, context=None):
-        account = self._account(callback)
+        owner = getattr(callback, "__self__", None)  # none: a function or a partial (a future's callback)
+        account = self.default_account if owner is None else self._account(owner)
         if account is not None:
             args, callback = (account, callback, *args), self._timed
         if self._closed:
@@ -119,7 +118,8 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         return handle
 
     def call_at(self, when, callback, *args, context=None):
-        account = self._account(callback)
+        owner = getattr(callback, "__self__", None)
+        account = self.default_account if owner is None else self._account(owner)
         if account is not None:
             args, callback = (account, callback, *args), self._timed
         self._check_closed()

@@ -63,19 +63,19 @@ class LengthModel:
         if family == "task" and not rows:
             raise ValueError("response length family task: no per-prompt lengths given")
         self.family, self.median, self.sigma, self.rho, self.seed = family, median, sigma, rho, seed
+        self._shared, self._own = math.sqrt(rho), math.sqrt(1 - rho)
         self.sorted = sorted(histogram or [])
         self.rows = rows or {}
         self.row_keys = sorted(self.rows)
         self.by_sample = by_sample or {}
 
-    @functools.lru_cache(maxsize=1 << 17)  # a sample's length is looked up at every call that carries it
     def __call__(self, row: int, sample_key: str) -> int:
+        """(Drawn once per sample: `Workload` keeps what it derives from it.)"""
         if sample_key in self.by_sample:
             return self.by_sample[sample_key]
         if self.family == "task":
             return self._measured(row, sample_key)
-        z = math.sqrt(self.rho) * self._prompt_score(row) + \
-            math.sqrt(1 - self.rho) * _normal(self.seed, "sample", sample_key)
+        z = self._shared * self._prompt_score(row) + self._own * _normal(self.seed, "sample", sample_key)
         if self.family == "lognormal":
             return max(1, int(round(self.median * math.exp(self.sigma * z))))
         return self.sorted[min(len(self.sorted) - 1, int(_NORMAL.cdf(z) * len(self.sorted)))]
@@ -172,7 +172,7 @@ class Workload:
 
     def response_len(self, row: int, sample_key: str) -> int:
         """Blocks a sample ends with: its drawn length, capped by the budget."""
-        return min(self.blocks(self.lengths(row, sample_key)), self.max_response_blocks)
+        return min(self._drawn(row, sample_key)[0], self.max_response_blocks)
 
     @staticmethod
     def decode(ids: list[int]) -> str:
