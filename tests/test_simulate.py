@@ -118,18 +118,6 @@ def test_decode_cost_against_hand_computation():
     assert prefill == pytest.approx((1100 * 2 * m.num_params + pairs * 4 * 36 * 32 * 128) / fl)
 
 
-# -- the simulated engine ------------------------------------------------------------------------------
-class Lengths:
-    """Every request's response ends at `length` blocks (the prompt is one block)."""
-
-    def __init__(self, length):
-        self.length = length
-
-    def __call__(self, request):
-        return self.length - (len(request.input_ids) - 1), 0
-
-
-
 def test_steps_within_is_the_bisection_over_every_step():
     """`steps_within` starts from a bound (the step cost's tangent at the first step) and costs one or two
     spans; it must give what a bisection over all n steps gives, for any mix of lines and padding."""
@@ -144,13 +132,29 @@ def test_steps_within_is_the_bisection_over_every_step():
 
     for _ in range(3000):
         terms = tuple((rng.choice([0.0, rng.uniform(0, 1e-2)]), rng.choice([0.0, rng.uniform(0, 1e-4)]),
-                       rng.choice([0.0, rng.uniform(0, 1e-7)])) for _ in range(rng.choice([1, 2, 2, 3])))
+                       rng.choice([0.0, rng.uniform(0, 1e-7), 10 ** rng.uniform(-30, -4)]))  # tiny slopes too
+                      for _ in range(rng.choice([1, 2, 2, 3])))
         c = StepCost(rng.choice([0.0, rng.uniform(0, 1e-3)]), terms, 0.0, 0.0,
                      per_attended=rng.choice([0.0, rng.uniform(0, 1e-8)]))
         rows, ctx, n, att = rng.randint(1, 256), rng.uniform(0, 1e6), rng.randint(0, 20000), rng.uniform(0, 1e6)
         total = c.decode_span(rows, ctx, n, att)
         seconds = rng.choice([rng.uniform(0, 1.2 * total), c.decode_span(rows, ctx, rng.randint(0, n), att), 0.0])
         assert c.steps_within(rows, ctx, n, seconds, att) == bisect(c, rows, ctx, n, seconds, att), (terms, rows, n)
+    c = StepCost(0.0, ((1e-2, 0.0, 1e-22),), 0.0, 0.0)  # a slope 1e-20 of the step: the bound keeps its digits
+    assert c.steps_within(1, 0.0, 100, 0.1) == bisect(c, 1, 0.0, 100, 0.1, 0.0) == 10
+    assert c.steps_within(1, 0.0, 100, math.inf) == 100 and c.steps_within(1, 0.0, 100, math.nan) == 0
+
+
+# -- the simulated engine ------------------------------------------------------------------------------
+class Lengths:
+    """Every request's response ends at `length` blocks (the prompt is one block)."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, request):
+        return self.length - (len(request.input_ids) - 1), 0
+
 
 def request(rid, done=0, budget=100):
     return GenerateRequest(rid, [0] * (1 + done), SamplingParams(max_new_tokens=budget))

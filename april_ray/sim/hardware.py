@@ -184,13 +184,15 @@ class StepCost:
         u, v = max(lines)  # the largest line at the first step (of those, the steepest)
         s0 = self.t0 + u + self.per_attended * attended
         g = v + self.per_attended * rows
-        if s0 > 0:
+        if not math.isfinite(seconds):  # (what the bisection gives: all steps for +inf, none for NaN)
+            return n if seconds > 0 else 0
+        hi = n
+        if s0 > 0:  # the root of half m^2 + b m - seconds, in the form that keeps its digits when half << b
             half = g / 2
-            bound = (seconds / s0 if half <= 0 else
-                     (-(s0 - half) + math.sqrt((s0 - half) ** 2 + 4 * half * seconds)) / (2 * half))
+            b = s0 - half
+            root = math.sqrt(b * b + 4 * half * seconds)
+            bound = 2 * seconds / (b + root) if b > 0 else (root - b) / (2 * half)
             hi = min(n, max(0, int(bound) + 1))
-        else:
-            hi = n
         for m in (hi, hi - 1):  # the bound is the root rounded up: the answer is mostly one of these two
             if m < 0 or self.decode_span(rows, context, m, attended) <= seconds:
                 return max(m, 0)

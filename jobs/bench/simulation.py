@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import sysconfig
 import time
 from collections import Counter
 from pathlib import Path
@@ -119,11 +120,12 @@ def schedule_ops(cfg, sim, gpus: int, factor: float | None, steps: int, warmup: 
             calls[frame.f_code.co_filename] += 1
         return tracer
 
+    previous = sys.gettrace()  # (a coverage tool's or a debugger's: it is put back)
     sys.settrace(tracer)
     try:
         r = study.run_schedule(setting, rollout, steps, warmup, "none", 1.0)
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     n = r["sample_calls_with_warmup"]  # the operations are counted over the whole run, set-up included
     by_file = Counter()
     for path, count in ops.items():
@@ -133,19 +135,19 @@ def schedule_ops(cfg, sim, gpus: int, factor: float | None, steps: int, warmup: 
 
 
 def _short(path: str) -> str:
+    """An installed package's file from its package folder, the standard library's from the library's
+    folder (`asyncio/events.py`), this repository's from its root; anything else as it is."""
     p = Path(path)
-    if p.is_relative_to(ROOT):
-        return str(p.relative_to(ROOT))
-    parts = p.parts
-    for anchor in ("site-packages", "lib"):
-        if anchor in parts:
-            i = len(parts) - 1 - parts[::-1].index(anchor)
-            rest = parts[i + 1:]
-            return "/".join(rest[1:] if anchor == "lib" and rest and rest[0].startswith("python") else rest)
+    if "site-packages" in p.parts:
+        return "/".join(p.parts[len(p.parts) - p.parts[::-1].index("site-packages"):])
+    for root in (STDLIB, ROOT):
+        if p.is_relative_to(root):
+            return str(p.relative_to(root))
     return path
 
 
 ROOT = Path(__file__).resolve().parents[2]
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 def main() -> None:
