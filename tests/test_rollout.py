@@ -223,22 +223,28 @@ def test_a_failing_engine_call_stores_every_sample_then_fails_the_step():
     c = cfg(max_staleness=100)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=4, tick=0.001)
     asyncio.run(rollout.step(0, 0))
-    real_call, calls = pool._call, []
+    calls = []
 
-    async def call(engine, samples, step):
-        calls.append(engine)
-        if len(calls) == 3:
-            raise ValueError("bad sample")
-        return await real_call(engine, samples, step)
+    def failing_third(start_group):
+        def call(samples, step):
+            calls.append(step)
+            if len(calls) != 3:
+                return start_group(samples, step)
+            failed = asyncio.get_running_loop().create_future()
+            failed.set_exception(ValueError("bad sample"))
+            return failed
+        return call
 
-    pool._call = call
+    for w in pool.workers:
+        w.start_group = failing_third(w.start_group)
     before = {g.group_id: [s.state for s in g.samples] for g in store.partial.values()}
     with pytest.raises(RuntimeError, match="an engine call failed: group .* ValueError"):
         asyncio.run(rollout.step(1, 1))
     assert source.num_groups_taken == rollout.num_returned_groups + rollout.num_dropped_groups + len(store)
     assert all(not e.running for e in engines) and rollout.alive == [True, True]
     assert set(before) <= set(store.partial) | {g.group_id for g in store.complete}
-    pool._call = real_call  # the next step goes on with every group
+    for w in pool.workers:  # the next step goes on with every group
+        del w.start_group
     result = asyncio.run(rollout.step(2, 2))
     check_invariants(result, rollout, source, store, c, set())
 

@@ -152,8 +152,8 @@ class Lengths:
     def __init__(self, length):
         self.length = length
 
-    def __call__(self, request):
-        return self.length - (len(request.input_ids) - 1), 0
+    def __call__(self, key, input_ids):
+        return self.length - (len(input_ids) - 1), 0
 
 
 def request(rid, done=0, budget=100):
@@ -247,8 +247,8 @@ def test_requests_held_back_by_the_prefill_budget_join_at_the_next_step():
 def test_an_aborted_requests_finish_does_not_end_a_later_span():
     """A request that left early (aborted) keeps its entry in the finish heap; the next span must run to
     the next finish of a request still running, in one piece."""
-    def target(req):
-        return (30 if req.request_id.startswith("s") else 100) - (len(req.input_ids) - 1), 0
+    def target(key, input_ids):
+        return (30 if key.startswith("s") else 100) - (len(input_ids) - 1), 0
 
     async def main(loop):
         e = SimEngine(FLAT, target, max_num_seqs=8, kv_capacity=10_000, max_prefill_tokens=1000)

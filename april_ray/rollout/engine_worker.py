@@ -89,13 +89,22 @@ def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, stalene
 
 
 class _GroupCall:
-    """One `generate_group` call's outputs so far: `done` resolves when the last one has arrived."""
+    """One group call: its requests, and its outputs so far. `done` resolves with (metas, samples) when
+    the last output has arrived and every reward is in."""
 
-    __slots__ = ("done", "left", "rewards")
+    __slots__ = ("done", "calls", "left", "rewards")
 
     def __init__(self, done: asyncio.Future, left: int):
         self.done, self.left = done, left
+        self.calls: list[tuple[Sample, asyncio.Future]] = []
+        """(the sample's copy the output extends, the output), in the order sent."""
         self.rewards: list[tuple[Sample, asyncio.Future]] = []
+
+    def ended(self, done: asyncio.Future) -> None:
+        """A call that failed or was cancelled cancels the requests still out (the engine aborts them)."""
+        if done.cancelled() or done.exception() is not None:
+            for _, out in self.calls:
+                out.cancel()
 
 
 class EngineWorker:
@@ -111,13 +120,21 @@ class EngineWorker:
         self.closed_steps: deque = deque(maxlen=64)
 
     async def generate_group(self, samples: list[Sample], step) -> tuple[list[SampleMeta], list[Sample]]:
-        """Generate some samples of one group at once. Each output is taken the moment it arrives (a done
-        callback: the sample is extended and, if finished, its reward starts), and the call returns when
-        the last one has."""
+        """Generate some samples of one group at once: (their metas, the samples extended). See `start_group`."""
+        return await self.start_group(samples, step)
+
+    def start_group(self, samples: list[Sample], step) -> asyncio.Future:
+        """`generate_group` as a future, driven by callbacks (no task of its own: the in-process pool makes
+        one call per group, a large simulation millions). Each output is taken the moment it arrives (the
+        sample is extended and, if finished, its reward starts), and the future resolves when the last one
+        has and the rewards are in. It fails with the first output that fails, or with what sending a
+        request raised; then, or when it is cancelled, the requests still out are cancelled (the engine
+        aborts them), and the samples stay as they were sent (the engine extends copies)."""
+        done = asyncio.get_running_loop().create_future()
         if step in self.closed_steps or not samples:
-            return [sample_meta(s, 0) for s in samples], list(samples)
-        group = _GroupCall(asyncio.get_running_loop().create_future(), len(samples))
-        calls = []
+            done.set_result(([sample_meta(s, 0) for s in samples], list(samples)))
+            return done
+        group = _GroupCall(done, len(samples))
         tag = f"@{step}"
         try:
             for s in samples:
@@ -126,27 +143,27 @@ class EngineWorker:
                                                            sampling_for(self.sampling, s.remaining_budget)))
                 if not isinstance(out, asyncio.Future):  # a coroutine (the CPU engine's, SGLang's client)
                     out = asyncio.ensure_future(out)
+                group.calls.append((s, out))
                 out.add_done_callback(partial(self._arrived, s, group))
-                calls.append((s, out))
-            await group.done
-        except BaseException:  # one output failed, or the call was cancelled: the rest stop too (the engine
-            for _, out in calls:  # aborts a cancelled request), and the samples stay as they were sent
-                out.cancel()
+        except Exception as e:
+            done.set_exception(e)
+            group.ended(done)
+            return done
+        except BaseException:
+            group.ended(done)
             raise
-        if not all(r.done() for _, r in group.rewards):
-            await asyncio.wait([r for _, r in group.rewards])
-        for s, r in group.rewards:
-            s.reward = r.result()
-        return [sample_meta(s, out.result().num_tokens) for s, out in calls], [s for s, _ in calls]
+        done.add_done_callback(group.ended)
+        return done
 
     def _arrived(self, sample: Sample, group: "_GroupCall", out: asyncio.Future) -> None:
-        if group.done.done():
+        done = group.done
+        if done.done():
             return
         if out.cancelled():
-            group.done.cancel()
+            done.cancel()
             return
         if out.exception() is not None:
-            group.done.set_exception(out.exception())
+            done.set_exception(out.exception())
             return
         sample.extend(out.result())
         if sample.state == SampleState.FINISHED:
@@ -156,7 +173,23 @@ class EngineWorker:
             group.rewards.append((sample, reward))
         group.left -= 1
         if not group.left:
-            group.done.set_result(None)
+            self._rewarded(group)
+
+    def _rewarded(self, group: "_GroupCall", _=None) -> None:
+        """Every output is in: resolve the call once its rewards are (waiting on the first still running)."""
+        if group.done.done():
+            return
+        for _, r in group.rewards:
+            if not r.done():
+                r.add_done_callback(partial(self._rewarded, group))
+                return
+        for s, r in group.rewards:
+            if r.cancelled() or r.exception() is not None:
+                group.done.set_exception(r.exception() if not r.cancelled() else asyncio.CancelledError())
+                return
+            s.reward = r.result()
+        calls = group.calls
+        group.done.set_result(([sample_meta(s, out.result().num_tokens) for s, out in calls], [s for s, _ in calls]))
 
     async def throughput_probe(self, prompts: list[list[int]], concurrency: int, seconds: float,
                                warmup_s: float = 1.0) -> tuple[int, float, float]:

@@ -37,27 +37,25 @@ class LocalPool:
         self.dead: set[int] = set()
 
     def generate(self, engine, samples, step):
-        task = asyncio.ensure_future(self._call(engine, [resolve(s) for s in samples], step))
-        metas = task.get_loop().create_future()  # a future, not a second task (a simulation makes millions)
+        """The worker's call as a future (`EngineWorker.start_group`, no task), and a future of its metas."""
+        metas = asyncio.get_running_loop().create_future()
+        if engine in self.dead:
+            metas.set_exception(EngineFailure(f"engine {engine} is dead"))
+            return metas, [LocalHandle(metas, i) for i in range(len(samples))]
+        call = self.workers[engine].start_group([resolve(s) for s in samples], step)
 
-        def done(t: asyncio.Task) -> None:
-            if t.cancelled():
+        def done(c: asyncio.Future) -> None:
+            if c.cancelled():
                 metas.cancel()
-            elif t.exception() is not None:
-                metas.set_exception(t.exception())
+            elif c.exception() is not None:
+                metas.set_exception(c.exception())
+            elif engine in self.dead:
+                metas.set_exception(EngineFailure(f"engine {engine} died mid-call"))
             else:
-                metas.set_result(t.result()[0])
+                metas.set_result(c.result()[0])
 
-        task.add_done_callback(done)
-        return metas, [LocalHandle(task, i) for i in range(len(samples))]
-
-    async def _call(self, engine, samples, step):
-        if engine in self.dead:
-            raise EngineFailure(f"engine {engine} is dead")
-        result = await self.workers[engine].generate_group(samples, step)
-        if engine in self.dead:
-            raise EngineFailure(f"engine {engine} died mid-call")
-        return result
+        call.add_done_callback(done)
+        return metas, [LocalHandle(call, i) for i in range(len(samples))]
 
     async def abort_all(self, step, engines):
         if self.abort_delay:  # completions race with the abort while it is on its way

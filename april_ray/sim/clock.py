@@ -36,6 +36,27 @@ def _other_threads() -> bool:
     return len(threading._active) + len(threading._limbo) > 1
 
 
+class _Timer:
+    """A timer for a callback that takes no arguments and needs no context (a simulated engine's span
+    end: one per event of a large simulation). It sits in the loop's heap and ready queue as an
+    asyncio `TimerHandle` would, without the handle's context copy and debug hooks; an exception in its
+    callback ends the simulation (a handle's would only be logged)."""
+
+    __slots__ = ("_callback", "_cancelled", "_scheduled")
+
+    def __init__(self, callback):
+        self._callback, self._cancelled, self._scheduled = callback, False, True
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def _run(self) -> None:
+        self._callback()
+
+
 class _VirtualSelector(selectors.SelectSelector):
     """Never sleeps in virtual time; but while another thread is alive (a result may come back through
     `call_soon_threadsafe`), it waits for real, up to THREAD_WAIT_S, before moving the clock on (only
@@ -126,6 +147,17 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         timer = asyncio.TimerHandle(when, callback, args, self, context)
         heapq.heappush(self._timers, (when, next(self._timer_seq), timer))
         timer._scheduled = True
+        return timer
+
+    def timer(self, when: float, callback):
+        """`call_at(when, callback)` for a bound method that takes no arguments and needs no context: a bare
+        `_Timer`, unless its owner's callbacks are timed into an account (then `call_at`'s handle)."""
+        owner = callback.__self__
+        entry = self.owners.get(id(owner))
+        if (entry[1] if entry is not None and entry[0] is owner else self.default_account) is not None:
+            return self.call_at(when, callback)
+        timer = _Timer(callback)
+        heapq.heappush(self._timers, (when, next(self._timer_seq), timer))
         return timer
 
     def _timer_handle_cancelled(self, handle) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 
 from april_ray.sim.hardware import StepCost
 from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
@@ -55,26 +54,25 @@ class _Request:
         self.runs: list[tuple[int, int]] = []
 
 
-@dataclass
 class _Span:
-    t_start: float
-    rows: int
-    context: int
-    prefill_s: float
-    n: int
-    stall0: float
-    attended: float = 0.0
-    """Padded attention span of the rows at the first step, in tokens (0 unless the cost has that term)."""
-    decode_s: float = 0.0
-    """The n decode steps' time (without prefill and stalls)."""
-    poked_at: float = -1.0
-    """When a change last cut the span (more changes at that instant cut it at the same step)."""
+    """Steps the engine runs between two events. `attended`: padded attention span of the rows at the
+    first step, in tokens (0 unless the cost has that term); `decode_s`: the n decode steps' time
+    (without prefill and stalls); `poked_at`: when a change last cut the span (more changes at that
+    instant cut it at the same step). A plain class with slots: one per event."""
+
+    __slots__ = ("t_start", "rows", "context", "prefill_s", "n", "stall0", "attended", "decode_s", "poked_at")
+
+    def __init__(self, t_start: float, rows: int, context: int, prefill_s: float, n: int, stall0: float,
+                 attended: float = 0.0, decode_s: float = 0.0):
+        self.t_start, self.rows, self.context, self.prefill_s, self.n = t_start, rows, context, prefill_s, n
+        self.stall0, self.attended, self.decode_s, self.poked_at = stall0, attended, decode_s, -1.0
 
 
 class SimEngine:
     def __init__(self, cost: StepCost, target, max_num_seqs: int, kv_capacity: int, max_prefill_tokens: int,
                  block: int = 1, park_slots: int = 0, stale_kv_versions: int = 0, version: int = 0):
-        """`target(request) -> (blocks left to generate before the sample's drawn end, token id)`;
+        """`target(sample key, input ids) -> (blocks left to generate before the sample's drawn end, token
+        id)`, the key being the request id less `EngineWorker`'s `@<step>` tag;
         lengths and capacities are in blocks."""
         self.cost, self.target, self.block = cost, target, block
         self.cap, self.kv_capacity, self.max_prefill = max_num_seqs, kv_capacity, max_prefill_tokens
@@ -124,7 +122,8 @@ class SimEngine:
 
     # -- the Engine protocol ----------------------------------------------------------------------------
     def generate(self, request: GenerateRequest) -> "asyncio.Future[GenerateOutput]":
-        left, token = self.target(request)
+        key = request.request_id.rpartition("@")[0] or request.request_id  # `Workload.sample_key`, inline
+        left, token = self.target(key, request.input_ids)
         budget, n_in = request.sampling.max_new_tokens, len(request.input_ids)
         if budget <= 0 or not n_in:
             raise ValueError(f"request {request.request_id}: needs input ids and max_new_tokens > 0")
@@ -135,7 +134,6 @@ class SimEngine:
                              f"not fit the KV cache of {self.kv_capacity} blocks")
         fut = self.loop.create_future()
         self.num_requests += 1
-        key = request.request_id.rpartition("@")[0] or request.request_id
         self.waiting.append(_Request(request.request_id, key, fut, n_in, new, _STOP if todo <= budget else _LENGTH,
                                      token))
         self._poke()
@@ -194,7 +192,7 @@ class SimEngine:
     def _poke(self) -> None:
         """Something changed: handle it at the end of the step in progress (now, if idle)."""
         if self.timer is None:
-            self.timer = self.loop.call_at(max(self.loop.time(), self.t_free), self._boundary)
+            self.timer = self.loop.timer(max(self.loop.time(), self.t_free), self._boundary)
             return
         s, now = self.span, self.loop.time()
         if s is None or s.n <= 1 or s.poked_at == now:
@@ -206,7 +204,7 @@ class SimEngine:
         if done + 1 < s.n:
             self._set_steps(s, done + 1)
             self.timer.cancel()
-            self.timer = self.loop.call_at(self._span_end(s), self._boundary)
+            self.timer = self.loop.timer(self._span_end(s), self._boundary)
 
     def _set_steps(self, s: _Span, n: int) -> None:
         s.n = n
@@ -234,7 +232,7 @@ class SimEngine:
             if self.loop.stall:
                 end += self.loop.stall_s - s.stall0
             if end > self.loop.now + 1e-12:  # the thread was held up meanwhile: the span ends later
-                self.timer = self.loop.call_at(end, self._boundary)
+                self.timer = self.loop.timer(end, self._boundary)
                 return
             self._advance(s, end)
         self._retire()
@@ -247,17 +245,19 @@ class SimEngine:
 
     def _advance(self, s: _Span, end: float) -> None:
         self.span = None
-        self.steps += s.n
-        self.context += s.rows * s.n
-        self.peak_context = max(self.peak_context, self.context)
-        self.num_generated += s.rows * s.n
-        self.busy_s += end - s.t_start
-        self.row_seconds += s.rows * (end - s.t_start)
+        rows, n, dt = s.rows, s.n, end - s.t_start
+        self.steps += n
+        self.context = context = self.context + rows * n
+        if context > self.peak_context:
+            self.peak_context = context
+        self.num_generated += rows * n
+        self.busy_s += dt
+        self.row_seconds += rows * dt
         self.num_spans += 1
-        self.context_steps += s.context * s.n + s.rows * s.n * (s.n - 1) // 2
+        self.context_steps += s.context * n + rows * n * (n - 1) // 2
         if s.attended:
-            self.attended_steps += s.attended * s.n + s.rows * self.block * s.n * (s.n - 1) / 2
-        self.occupancy.append((end, s.rows))
+            self.attended_steps += s.attended * n + rows * self.block * n * (n - 1) / 2
+        self.occupancy.append((end, rows))
         self.t_free = end
 
     def _retire(self) -> None:
@@ -368,12 +368,13 @@ class SimEngine:
                 break
             heapq.heappop(heap)
         n = 1 if self.prefill_full else max(1, min(end - self.steps, room))
-        loop = self.loop
+        loop, context, block = self.loop, self.context, self.block
         start = self.t_free if continuing else max(self.t_free, loop.now)
         attended = self._attended() if self.span_class else 0.0
-        self.span = s = _Span(start, rows, self.context, self._prefill_s, n, loop.stall_s, attended,
-                              self.cost.decode_span(rows, self.context * self.block, n * self.block, attended))
-        self.timer = loop.call_at(self._span_end(s), self._boundary)
+        decode_s = self.cost.decode_span(rows, context * block, n * block, attended)
+        self.span = _Span(start, rows, context, self._prefill_s, n, loop.stall_s, attended, decode_s)
+        # `_span_end` (no stall yet)
+        self.timer = loop.timer(start + self._prefill_s + decode_s, self._boundary)
 
     def _retract(self) -> None:
         r = self.running[next(reversed(self.running))]

@@ -136,8 +136,26 @@ class StepCost:
         padded span, from `attended` at the first step)."""
         if n <= 0:
             return 0.0
-        lines = [(a + b * rows + c * context, c * rows) for a, b, c in self.terms]  # step j: u + v * j
-        if len(lines) <= 2:  # the roofline's two sides, or one fitted line: the same sums, without the loops
+        terms = self.terms
+        if len(terms) == 2:  # the roofline's two sides: `_span2`'s sums, inline (a span's hot path)
+            (a, b, c), (a2, b2, c2) = terms
+            u, v, u2, v2 = a + b * rows + c * context, c * rows, a2 + b2 * rows + c2 * context, c2 * rows
+            total = self.t0 * n
+            cut = math.ceil(x) if v != v2 and 0 < (x := (u2 - u) / (v - v2)) < n else n
+            if cut > 0:
+                mid = (cut - 1) / 2
+                a, b = (u, v) if u + v * mid >= u2 + v2 * mid else (u2, v2)
+                total += cut * a + b * (cut * (cut - 1) / 2)
+            if n > cut:
+                k = n - cut
+                mid = (cut + n - 1) / 2
+                a, b = (u, v) if u + v * mid >= u2 + v2 * mid else (u2, v2)
+                total += k * a + b * (cut * k + k * (k - 1) / 2)
+            if self.per_attended:
+                total += self.per_attended * (attended * n + rows * n * (n - 1) / 2)
+            return total
+        lines = [(a + b * rows + c * context, c * rows) for a, b, c in terms]  # step j: u + v * j
+        if len(lines) <= 2:  # one fitted line: the same sums, without the loops
             return self._span2(lines, rows, n, attended)
         cuts = [0, n]  # steps j in [cut, next cut): one line is the largest
         for i, (u1, v1) in enumerate(lines):

@@ -153,11 +153,16 @@ class Workload:
         row = int(text)
         return [row] + [0] * (self.blocks(self.prompt_lens[row]) - 1)
 
-    def target(self, request: GenerateRequest) -> tuple[int, int]:
-        """(blocks the request has left before its sample's drawn end, uncapped; the token id they carry)."""
-        row = request.input_ids[0]
-        total, token, prompt = self._drawn(row, request.request_id.rpartition("@")[0] or request.request_id)
-        return total - (len(request.input_ids) - prompt), token
+    def target(self, key: str, input_ids: list[int]) -> tuple[int, int]:
+        """(blocks a request for sample `key` with `input_ids` has left before the sample's drawn end,
+        uncapped; the token id they carry)."""
+        total, token, prompt = self._drawn(input_ids[0], key)
+        return total - (len(input_ids) - prompt), token
+
+    @staticmethod
+    def sample_key(request: GenerateRequest) -> str:
+        """The sample a request is for: its id without `EngineWorker`'s `@<step>` tag."""
+        return request.request_id.rpartition("@")[0] or request.request_id
 
     @functools.lru_cache(maxsize=1 << 18)  # looked up at every call that carries the sample
     def _drawn(self, row: int, key: str) -> tuple[int, int, int]:

@@ -54,7 +54,7 @@ class InstantEngine:
         self.num_requests = 0
 
     def generate(self, request):
-        left, token = self.workload.target(request)
+        left, token = self.workload.target(self.workload.sample_key(request), request.input_ids)
         n = max(1, min(left, request.sampling.max_new_tokens))
         self.num_requests += 1
         fut = asyncio.get_running_loop().create_future()
