@@ -264,7 +264,7 @@ def test_a_failed_output_fails_the_group_call_and_cancels_the_others():
     import asyncio
 
     from april_ray.rollout.engine_worker import EngineWorker
-    from april_ray.types import Sample, SamplingParams
+    from april_ray.types import FinishReason, GenerateOutput, Sample, SamplingParams
 
     class Engine:
         def __init__(self):
@@ -303,3 +303,22 @@ def test_a_failed_output_fails_the_group_call_and_cancels_the_others():
 
     futures = asyncio.run(fails_later())
     assert futures[0].cancelled() and futures[2].cancelled() and not futures[1].cancelled()
+
+    async def cancelled(use_task):  # a call cancelled by its caller (`start_group`'s future, or the awaiting task)
+        engine.futures.clear()
+        samples = [Sample(i, "g", "p", "", [5], 8) for i in "xyz"]
+        if use_task:
+            call = asyncio.ensure_future(worker.generate_group(samples, ("run", 2)))
+            await asyncio.sleep(0)
+        else:
+            call = worker.start_group(samples, ("run", 2))
+        engine.futures[0].set_result(GenerateOutput("x@", [7], [-1.0], [0], FinishReason.ABORT))
+        await asyncio.sleep(0)
+        call.cancel()
+        await asyncio.sleep(0)
+        return engine.futures, samples
+
+    for use_task in (False, True):
+        futures, samples = asyncio.run(cancelled(use_task))
+        assert not futures[0].cancelled() and futures[1].cancelled() and futures[2].cancelled()
+        assert all(not s.response_ids for s in samples)  # the samples stay as they were sent
