@@ -472,6 +472,10 @@ def test_version_counts_are_exact_for_runs_and_for_lists_out_of_order():
     # runs whose value recurs later, or a list in descending order, are counted in full, oldest first
     assert list(version_counts([1, 1, 2, 1]).items()) == [(1, 3), (2, 1)]
     assert list(version_counts([5, 5, 3, 3]).items()) == [(3, 2), (5, 2)]
+    # two versions, in order or not, and three whose ends alone do not add up
+    assert list(version_counts([3, 3, 7]).items()) == [(3, 2), (7, 1)]
+    assert list(version_counts([2, 1, 2, 1, 1]).items()) == [(1, 3), (2, 2)]
+    assert list(version_counts([1, 2, 3, 3]).items()) == [(1, 1), (2, 1), (3, 2)]
     rng = random.Random(0)
     for _ in range(2000):
         v = [rng.randint(0, 4) for _ in range(rng.randint(1, 30))]

@@ -26,16 +26,20 @@ from april_ray.types import GenerateRequest, Sample, SampleMeta, SampleState, Sa
 
 
 def version_counts(versions: list[int]) -> dict[int, int]:
-    """Tokens per version, oldest first. Most responses hold one version (one C-level count says so); the
-    rest a few runs, as the tokens came, each found by a binary search and checked by a count of the whole
-    list (a run whose value also occurs elsewhere, as in a list that is not in order, fails the check, and
-    the list is counted value by value). Either beats a `Counter` (a sixth of the worker's CPU in a large
+    """Tokens per version, oldest first. Most responses hold one version (one C-level count says so), or
+    two (the first token's and the last's counts add up to the length); the rest a few runs, as the
+    tokens came, each found by a binary search and checked by a count of the whole list (a run whose
+    value also occurs elsewhere, as in a list that is not in order, fails the check, and the list is
+    counted value by value). Either beats a `Counter` (a sixth of the worker's CPU in a large
     simulation), and the runs beat a set of the list (another tenth)."""
     if not versions:
         return {}
-    n = len(versions)
-    if versions.count(versions[0]) == n:
-        return {versions[0]: n}
+    n, first, last = len(versions), versions[0], versions[-1]
+    c = versions.count(first)
+    if c == n:
+        return {first: n}
+    if last != first and c + (d := versions.count(last)) == n:  # two versions (a response resumed once)
+        return {first: c, last: d} if first < last else {last: d, first: c}
     counts, i = {}, 0
     while i < n:  # every value is counted in full: the runs cover the list only if each is all of its value
         v = versions[i]

@@ -170,8 +170,12 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         timers, ready = self._timers, self._ready
         while timers and timers[0][2]._cancelled:
             heapq.heappop(timers)[2]._scheduled = False
-        timeout = 0 if ready or self._stopping else max(0.0, timers[0][0] - self.now) if timers else None
-        if _other_threads():  # a result may come through the self-pipe: the selector waits for it
+        if ready or self._stopping:
+            timeout = 0
+        else:
+            timeout = max(0.0, timers[0][0] - self.now) if timers else None
+        if len(threading._active) + len(threading._limbo) > 1:  # `_other_threads`, inline: a result may come
+            # through the self-pipe, the selector waits for it
             self._process_events(self._selector.select(timeout))
         elif timeout is None:
             raise SimulationStalled("virtual clock: no callback is ready and no timer is set")

@@ -268,6 +268,8 @@ class SimEngine:
             if r is not None and r.start + r.todo == steps:
                 self._remove(r)
                 self._resolve(r, r.reason)
+        if not self.aborting:
+            return
         for rid, park in self.aborting.items():
             r = self.running.get(rid)
             if r is not None:
