@@ -192,9 +192,9 @@ class SimEngine:
     def _poke(self) -> None:
         """Something changed: handle it at the end of the step in progress (now, if idle)."""
         if self.timer is None:
-            self.timer = self.loop.timer(max(self.loop.time(), self.t_free), self._boundary)
+            self.timer = self.loop.timer(max(self.loop.now, self.t_free), self._boundary)
             return
-        s, now = self.span, self.loop.time()
+        s, now = self.span, self.loop.now
         if s is None or s.n <= 1 or s.poked_at == now:
             return
         s.poked_at = now
@@ -316,38 +316,40 @@ class SimEngine:
 
     def _admit(self) -> None:
         self.prefill_full = False
-        waiting = self.waiting
-        if not waiting or len(self.running) >= self.cap:  # most boundaries: nothing to admit, or no row free
+        waiting, running, cap = self.waiting, self.running, self.cap
+        if not waiting or len(running) >= cap:  # most boundaries: nothing to admit, or no row free
             self._prefill_s = 0.0
             return
-        running, parked, heap, steps, version = self.running, self.parked, self.finish_heap, self.steps, self.version
+        parked, heap, steps, version, block = self.parked, self.finish_heap, self.steps, self.version, self.block
+        kv_free, max_prefill, context, seq = self.kv_capacity - 1, self.max_prefill, self.context, self._seq
         prefill, inputs, admitted, restored = 0, [], 0, 0
-        while waiting and len(running) < self.cap:
+        while waiting and len(running) < cap:
             r = waiting[0]
-            hit = parked.get((r.key, r.input_len)) if parked else None
+            n_in = r.input_len
+            hit = parked.get((r.key, n_in)) if parked else None
             reuse = hit is not None and version - hit <= self.stale_kv_versions
-            cost = 0 if reuse else r.input_len
-            if self.context + r.input_len + len(running) + 1 > self.kv_capacity:
+            if context + n_in + len(running) > kv_free:
                 break  # no room in the KV cache: it waits
-            if inputs and prefill + cost > self.max_prefill:
+            if inputs and prefill + (0 if reuse else n_in) > max_prefill:
                 self.prefill_full = True  # it joins at the next step, with the next step's budget
                 break
             waiting.popleft()
             admitted += 1
             if reuse:
-                del parked[(r.key, r.input_len)]
-                self.num_reused += r.input_len - 1 / self.block  # the last input token is fed by the decode
-                restored += r.input_len * self.block - 1
+                del parked[(r.key, n_in)]
+                self.num_reused += n_in - 1 / block  # the last input token is fed by the decode
+                restored += n_in * block - 1
                 r.kv_version = hit
             else:
-                inputs.append((0, r.input_len * self.block))
+                inputs.append((0, n_in * block))
                 r.kv_version = version
-            prefill += cost
+                prefill += n_in
             r.start = r.mark = steps
             running[r.request_id] = r
-            self.context += r.input_len
-            self._seq += 1
-            heapq.heappush(heap, (steps + r.todo, self._seq, r.request_id))
+            context += n_in
+            seq += 1
+            heapq.heappush(heap, (steps + r.todo, seq, r.request_id))
+        self.context, self._seq = context, seq
         self.num_prefill += prefill
         self._prefill_s = self.cost.admission(inputs, admitted, restored)
 

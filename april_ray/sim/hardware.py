@@ -233,8 +233,10 @@ class StepCost:
             (s, e), = inputs
             tokens, pairs = e - s, (e * (e + 1) - s * (s + 1)) / 2
         else:
-            tokens = sum(e - s for s, e in inputs)
-            pairs = sum((e * (e + 1) - s * (s + 1)) / 2 for s, e in inputs)
+            tokens = pairs = 0
+            for s, e in inputs:
+                tokens += e - s
+                pairs += (e * (e + 1) - s * (s + 1)) / 2
         return cost + self.prefill_per_step + self.prefill_per_token * tokens + self.prefill_per_pair * pairs
 
 
