@@ -127,14 +127,18 @@ class EngineWorker:
         """Generate some samples of one group at once: (their metas, the samples extended). See `start_group`."""
         return await self.start_group(samples, step)
 
-    def start_group(self, samples: list[Sample], step) -> asyncio.Future:
-        """`generate_group` as a future, driven by callbacks (no task of its own: the in-process pool makes
-        one call per group, a large simulation millions). Each output is taken the moment it arrives (the
-        sample is extended and, if finished, its reward starts), and the future resolves when the last one
-        has and the rewards are in. It fails with the first output that fails, or with what sending a
-        request raised; then, or when it is cancelled, the requests still out are cancelled (the engine
-        aborts them), and the samples stay as they were sent (the engine extends copies)."""
-        done = asyncio.get_running_loop().create_future()
+    def start_group(self, samples: list[Sample], step, done: asyncio.Future | None = None) -> asyncio.Future:
+        """`generate_group` as a future (`done`, or a new one), driven by callbacks (no task of its own:
+        the in-process pool makes one call per group, a large simulation millions). Each output is taken
+        the moment it arrives (the sample is extended and, if finished, its reward starts), and the future
+        resolves when the last one has and the rewards are in. It fails with the first output that fails,
+        or with what sending a request raised; then, or when it is cancelled, the requests still out are
+        cancelled (the engine aborts them), and the samples stay as they were sent (the engine extends
+        copies). A `done` that is already cancelled sends nothing."""
+        if done is None:
+            done = asyncio.get_running_loop().create_future()
+        elif done.done():
+            return done
         if step in self.closed_steps or not samples:
             done.set_result(([sample_meta(s, 0) for s in samples], list(samples)))
             return done

@@ -37,12 +37,12 @@ class LocalPool:
         self.dead: set[int] = set()
 
     def generate(self, engine, samples, step):
-        """The worker's call as a future (`EngineWorker.start_group`, no task), and a future of its metas."""
-        metas = asyncio.get_running_loop().create_future()
-        if engine in self.dead:
-            metas.set_exception(EngineFailure(f"engine {engine} is dead"))
-            return metas, [LocalHandle(metas, i) for i in range(len(samples))]
-        call = self.workers[engine].start_group([resolve(s) for s in samples], step)
+        """The worker's call (`EngineWorker.start_group`: a future, no task) and a future of its metas. The
+        worker starts in a callback of its own, after the caller's, as in its own process: a clocked
+        monitor (april_ray/sim/clock.py) is not billed the worker's CPU."""
+        loop = asyncio.get_running_loop()
+        call, metas = loop.create_future(), loop.create_future()
+        loop.call_soon(self._start, engine, [resolve(s) for s in samples], step, call)
 
         def done(c: asyncio.Future) -> None:
             if c.cancelled():
@@ -56,6 +56,17 @@ class LocalPool:
 
         call.add_done_callback(done)
         return metas, [LocalHandle(call, i) for i in range(len(samples))]
+
+    def _start(self, engine, samples, step, call: asyncio.Future) -> None:
+        if engine in self.dead:
+            if not call.done():
+                call.set_exception(EngineFailure(f"engine {engine} is dead"))
+            return
+        try:
+            self.workers[engine].start_group(samples, step, call)
+        except Exception as e:  # (it fails its future instead; a worker that raises would hang the call)
+            if not call.done():
+                call.set_exception(e)
 
     async def abort_all(self, step, engines):
         if self.abort_delay:  # completions race with the abort while it is on its way

@@ -264,9 +264,16 @@ class SimEngine:
         """Resolve finished rows, then aborted ones (with their tokens so far)."""
         heap, running, steps = self.finish_heap, self.running, self.steps
         while heap and heap[0][0] <= steps:
-            r = running.get(heapq.heappop(heap)[2])
-            if r is not None and r.start + r.todo == steps:
-                self._remove(r)
+            rid = heapq.heappop(heap)[2]
+            r = running.get(rid)
+            if r is not None and r.start + r.todo == steps:  # `_remove`, inline: it generated all of `todo`
+                del running[rid]
+                self.context -= r.input_len + r.todo
+                if steps > r.mark:
+                    r.runs.append((self.version, steps - r.mark))
+                r.mark = steps
+                r.input_len += r.todo
+                r.todo = 0
                 self._resolve(r, r.reason)
         if not self.aborting:
             return
