@@ -322,3 +322,43 @@ def test_a_failed_output_fails_the_group_call_and_cancels_the_others():
         futures, samples = asyncio.run(cancelled(use_task))
         assert not futures[0].cancelled() and futures[1].cancelled() and futures[2].cancelled()
         assert all(not s.response_ids for s in samples)  # the samples stay as they were sent
+
+    class Interrupt(BaseException):
+        pass
+
+    def interrupted(request):  # not an error of the call: it goes on up, the requests sent are cancelled
+        if request.request_id.startswith("stop"):
+            raise Interrupt
+        return Engine.generate(engine, request)
+
+    async def interrupt():
+        engine.futures.clear()
+        engine.generate = interrupted
+        try:
+            with pytest.raises(Interrupt):
+                worker.start_group([Sample(i, "g", "p", "", [5], 8) for i in ("a", "b", "stop")], ("run", 3))
+        finally:
+            del engine.generate
+        return engine.futures
+
+    futures = asyncio.run(interrupt())
+    assert len(futures) == 2 and all(f.cancelled() for f in futures)
+
+    rewards = []
+
+    def pending_reward(*args):
+        rewards.append(asyncio.get_running_loop().create_future())
+        return rewards[-1]
+
+    async def reward_cancelled():  # a reward that is cancelled cancels the call
+        engine.futures.clear()
+        worker.reward = pending_reward
+        call = worker.start_group([Sample("r", "g", "p", "", [5], 8)], ("run", 4))
+        engine.futures[0].set_result(GenerateOutput("r@", [7], [-1.0], [0], FinishReason.STOP))
+        await asyncio.sleep(0)
+        assert len(rewards) == 1 and not call.done()  # the output is in, its reward is not
+        rewards[0].cancel()
+        await asyncio.sleep(0)
+        return call
+
+    assert asyncio.run(reward_cancelled()).cancelled()

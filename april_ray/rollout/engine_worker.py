@@ -132,9 +132,10 @@ class EngineWorker:
         the in-process pool makes one call per group, a large simulation millions). Each output is taken
         the moment it arrives (the sample is extended and, if finished, its reward starts), and the future
         resolves when the last one has and the rewards are in. It fails with the first output that fails,
-        or with what sending a request raised; then, or when it is cancelled, the requests still out are
-        cancelled (the engine aborts them), and the samples stay as they were sent (the engine extends
-        copies). A `done` that is already cancelled sends nothing."""
+        or with what sending a request raised, and is cancelled with the first output (or reward) that is;
+        then, or when it is cancelled, the requests still out are cancelled (the engine aborts them), and
+        the samples stay as they were sent (the engine extends copies). A `done` that is already done sends
+        nothing."""
         if done is None:
             done = asyncio.get_running_loop().create_future()
         elif done.done():
@@ -157,8 +158,10 @@ class EngineWorker:
             done.set_exception(e)
             group.ended(done)
             return done
-        except BaseException:
-            group.ended(done)
+        except BaseException:  # (an interrupt: the requests sent are cancelled, and it goes on up)
+            for _, out in group.calls:
+                out.cancel()
+            done.cancel()
             raise
         done.add_done_callback(group.ended)
         return done
@@ -192,8 +195,11 @@ class EngineWorker:
                 r.add_done_callback(partial(self._rewarded, group))
                 return
         for s, r in group.rewards:
-            if r.cancelled() or r.exception() is not None:
-                group.done.set_exception(r.exception() if not r.cancelled() else asyncio.CancelledError())
+            if r.cancelled():
+                group.done.cancel()
+                return
+            if r.exception() is not None:
+                group.done.set_exception(r.exception())
                 return
             s.reward = r.result()
         calls = group.calls

@@ -14,12 +14,13 @@ from april_ray.rollout.store import resolve_groups
 
 
 class LocalHandle:
-    def __init__(self, task: asyncio.Future, index: int):
-        self.task = task
+    def __init__(self, call: asyncio.Future, index: int):
+        self.call = call
+        """The worker's call: its result is (metas, samples)."""
         self.index = index
 
     def value(self):
-        return self.task.result()[1][self.index]
+        return self.call.result()[1][self.index]
 
 
 def resolve(x):
@@ -37,9 +38,10 @@ class LocalPool:
         self.dead: set[int] = set()
 
     def generate(self, engine, samples, step):
-        """The worker's call (`EngineWorker.start_group`: a future, no task) and a future of its metas. The
-        worker starts in a callback of its own, after the caller's, as in its own process: a clocked
-        monitor (april_ray/sim/clock.py) is not billed the worker's CPU."""
+        """(a future of the call's metas, a handle per sample), the call being the worker's
+        `EngineWorker.start_group` (a future, no task). The worker starts in a callback of its own, after
+        the caller's, as in its own process: a clocked monitor (april_ray/sim/clock.py) is not billed the
+        worker's CPU."""
         loop = asyncio.get_running_loop()
         call, metas = loop.create_future(), loop.create_future()
         loop.call_soon(self._start, engine, [resolve(s) for s in samples], step, call)

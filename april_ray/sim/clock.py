@@ -99,7 +99,7 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         self._spawning: str | None = None
         self.stall_s = 0.0
         """Virtual seconds the simulated engines have been held up by clocked work (with `stall`)."""
-        self._timers: list[tuple[float, int, asyncio.TimerHandle]] = []
+        self._timers: list[tuple[float, int, asyncio.TimerHandle | _Timer]] = []
         self._timer_seq = itertools.count()
         super().__init__(_VirtualSelector(self))
 
