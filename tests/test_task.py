@@ -258,30 +258,52 @@ def test_math_verify_runs_under_the_reward_runner_off_the_main_thread():
     assert asyncio.run(runner("", "The answer is \\boxed{\\frac{1}{2}}", "0.5")) == 1.0 and runner.total_errors == 0
 
 
+class _HeldEngine:
+    """Holds every request's future for the test to resolve; refuses ids starting "bad" (an error of the
+    call) and is interrupted by ids starting "stop" (`_Interrupt`, not an error of the call)."""
+
+    def __init__(self):
+        self.futures = []
+
+    def generate(self, request):
+        import asyncio
+
+        if request.request_id.startswith("bad"):
+            raise ValueError(f"request {request.request_id}: too long")
+        if request.request_id.startswith("stop"):
+            raise _Interrupt
+        fut = asyncio.get_running_loop().create_future()
+        self.futures.append(fut)
+        return fut
+
+
+class _Interrupt(BaseException):
+    pass
+
+
+def _held_worker():
+    from april_ray.rollout.engine_worker import EngineWorker
+    from april_ray.types import SamplingParams
+
+    engine = _HeldEngine()
+    return engine, EngineWorker(engine, lambda ids: "", lambda *a: 0.0, SamplingParams(max_new_tokens=8))
+
+
+def _samples(ids):
+    from april_ray.types import Sample
+
+    return [Sample(i, "g", "p", "", [5], 8) for i in ids]
+
+
 def test_a_failed_output_fails_the_group_call_and_cancels_the_others():
     """One request the engine refuses fails the whole call (the monitor keeps the samples as sent, stores
     them and fails the step), and the group's other requests are cancelled on the engine, not left running."""
     import asyncio
 
-    from april_ray.rollout.engine_worker import EngineWorker
-    from april_ray.types import FinishReason, GenerateOutput, Sample, SamplingParams
-
-    class Engine:
-        def __init__(self):
-            self.futures = []
-
-        def generate(self, request):
-            if request.request_id.startswith("bad"):
-                raise ValueError(f"request {request.request_id}: too long")
-            fut = asyncio.get_running_loop().create_future()
-            self.futures.append(fut)
-            return fut
-
-    engine = Engine()
-    worker = EngineWorker(engine, lambda ids: "", lambda *a: 0.0, SamplingParams(max_new_tokens=8))
+    engine, worker = _held_worker()
 
     async def go(ids):
-        samples = [Sample(i, "g", "p", "", [5], 8) for i in ids]
+        samples = _samples(ids)
         with pytest.raises(ValueError, match="too long"):
             await worker.generate_group(samples, ("run", 0))
         await asyncio.sleep(0)
@@ -293,8 +315,7 @@ def test_a_failed_output_fails_the_group_call_and_cancels_the_others():
 
     async def fails_later():  # an output that arrives as an error, after the requests went out
         engine.futures.clear()
-        call = asyncio.ensure_future(worker.generate_group([Sample(i, "g", "p", "", [5], 8) for i in "xyz"],
-                                                           ("run", 1)))
+        call = asyncio.ensure_future(worker.generate_group(_samples("xyz"), ("run", 1)))
         await asyncio.sleep(0)
         engine.futures[1].set_exception(RuntimeError("engine lost the request"))
         with pytest.raises(RuntimeError, match="lost the request"):
@@ -304,9 +325,19 @@ def test_a_failed_output_fails_the_group_call_and_cancels_the_others():
     futures = asyncio.run(fails_later())
     assert futures[0].cancelled() and futures[2].cancelled() and not futures[1].cancelled()
 
-    async def cancelled(use_task):  # a call cancelled by its caller (`start_group`'s future, or the awaiting task)
-        engine.futures.clear()
-        samples = [Sample(i, "g", "p", "", [5], 8) for i in "xyz"]
+
+@pytest.mark.parametrize("use_task", [False, True])
+def test_a_cancelled_group_call_cancels_the_requests_still_out(use_task):
+    """A call cancelled by its caller (`start_group`'s future, or the task awaiting `generate_group`):
+    the requests still out are cancelled, and the samples stay as they were sent."""
+    import asyncio
+
+    from april_ray.types import FinishReason, GenerateOutput
+
+    engine, worker = _held_worker()
+
+    async def cancelled():
+        samples = _samples("xyz")
         if use_task:
             call = asyncio.ensure_future(worker.generate_group(samples, ("run", 2)))
             await asyncio.sleep(0)
@@ -318,42 +349,40 @@ def test_a_failed_output_fails_the_group_call_and_cancels_the_others():
         await asyncio.sleep(0)
         return engine.futures, samples
 
-    for use_task in (False, True):
-        futures, samples = asyncio.run(cancelled(use_task))
-        assert not futures[0].cancelled() and futures[1].cancelled() and futures[2].cancelled()
-        assert all(not s.response_ids for s in samples)  # the samples stay as they were sent
+    futures, samples = asyncio.run(cancelled())
+    assert not futures[0].cancelled() and futures[1].cancelled() and futures[2].cancelled()
+    assert all(not s.response_ids for s in samples)  # the samples stay as they were sent
 
-    class Interrupt(BaseException):
-        pass
 
-    def interrupted(request):  # not an error of the call: it goes on up, the requests sent are cancelled
-        if request.request_id.startswith("stop"):
-            raise Interrupt
-        return Engine.generate(engine, request)
+def test_an_interrupt_while_sending_cancels_the_requests_sent_and_goes_on_up():
+    import asyncio
+
+    engine, worker = _held_worker()
 
     async def interrupt():
-        engine.futures.clear()
-        engine.generate = interrupted
-        try:
-            with pytest.raises(Interrupt):
-                worker.start_group([Sample(i, "g", "p", "", [5], 8) for i in ("a", "b", "stop")], ("run", 3))
-        finally:
-            del engine.generate
+        with pytest.raises(_Interrupt):
+            worker.start_group(_samples(("a", "b", "stop")), ("run", 3))
         return engine.futures
 
     futures = asyncio.run(interrupt())
     assert len(futures) == 2 and all(f.cancelled() for f in futures)
 
+
+def test_a_cancelled_reward_cancels_the_group_call():
+    import asyncio
+
+    from april_ray.types import FinishReason, GenerateOutput
+
+    engine, worker = _held_worker()
     rewards = []
 
     def pending_reward(*args):
         rewards.append(asyncio.get_running_loop().create_future())
         return rewards[-1]
 
-    async def reward_cancelled():  # a reward that is cancelled cancels the call
-        engine.futures.clear()
+    async def reward_cancelled():
         worker.reward = pending_reward
-        call = worker.start_group([Sample("r", "g", "p", "", [5], 8)], ("run", 4))
+        call = worker.start_group(_samples("r"), ("run", 4))
         engine.futures[0].set_result(GenerateOutput("r@", [7], [-1.0], [0], FinishReason.STOP))
         await asyncio.sleep(0)
         assert len(rewards) == 1 and not call.done()  # the output is in, its reward is not

@@ -107,8 +107,11 @@ class _GroupCall:
     def ended(self, done: asyncio.Future) -> None:
         """A call that failed or was cancelled cancels the requests still out (the engine aborts them)."""
         if done.cancelled() or done.exception() is not None:
-            for _, out in self.calls:
-                out.cancel()
+            self.stop()
+
+    def stop(self) -> None:
+        for _, out in self.calls:
+            out.cancel()
 
 
 class EngineWorker:
@@ -156,11 +159,10 @@ class EngineWorker:
                 out.add_done_callback(partial(self._arrived, s, group))
         except Exception as e:
             done.set_exception(e)
-            group.ended(done)
+            group.stop()
             return done
         except BaseException:  # (an interrupt: the requests sent are cancelled, and it goes on up)
-            for _, out in group.calls:
-                out.cancel()
+            group.stop()
             done.cancel()
             raise
         done.add_done_callback(group.ended)

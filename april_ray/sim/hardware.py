@@ -137,8 +137,9 @@ class StepCost:
         if n <= 0:
             return 0.0
         terms = self.terms
-        if len(terms) == 2:  # the roofline's two sides: `_span2`'s sums, inline (a span's hot path)
-            (a, b, c), (a2, b2, c2) = terms
+        if len(terms) <= 2:  # the roofline's two sides, or one fitted line (taken twice): step j costs the
+            # larger of u + v j and u2 + v2 j, each of the (at most) two ranges of j summed in closed form
+            (a, b, c), (a2, b2, c2) = terms[0], terms[-1]
             u, v, u2, v2 = a + b * rows + c * context, c * rows, a2 + b2 * rows + c2 * context, c2 * rows
             total = self.t0 * n
             cut = math.ceil(x) if v != v2 and 0 < (x := (u2 - u) / (v - v2)) < n else n
@@ -155,8 +156,6 @@ class StepCost:
                 total += self.per_attended * (attended * n + rows * n * (n - 1) / 2)
             return total
         lines = [(a + b * rows + c * context, c * rows) for a, b, c in terms]  # step j: u + v * j
-        if len(lines) <= 2:  # one fitted line: the same sums, without the loops
-            return self._span2(lines, rows, n, attended)
         cuts = [0, n]  # steps j in [cut, next cut): one line is the largest
         for i, (u1, v1) in enumerate(lines):
             for u2, v2 in lines[i + 1:]:
@@ -171,21 +170,6 @@ class StepCost:
                 u, v = max(lines, key=lambda l: l[0] + l[1] * mid)
                 k = j1 - j0
                 total += k * u + v * (j0 * k + k * (k - 1) / 2)
-        if self.per_attended:
-            total += self.per_attended * (attended * n + rows * n * (n - 1) / 2)
-        return total
-
-    def _span2(self, lines: list[tuple[float, float]], rows: int, n: int, attended: float) -> float:
-        """`decode_span` for at most two lines (a span's hot path), term for term the same arithmetic."""
-        (u, v), (u2, v2) = lines[0], lines[-1]
-        total = self.t0 * n
-        cut = math.ceil(x) if v != v2 and 0 < (x := (u2 - u) / (v - v2)) < n else n
-        for j0, j1 in ((0, cut), (cut, n)):
-            if j1 > j0:
-                mid = (j0 + j1 - 1) / 2
-                a, b = (u, v) if u + v * mid >= u2 + v2 * mid else (u2, v2)
-                k = j1 - j0
-                total += k * a + b * (j0 * k + k * (k - 1) / 2)
         if self.per_attended:
             total += self.per_attended * (attended * n + rows * n * (n - 1) / 2)
         return total
