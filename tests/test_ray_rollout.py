@@ -137,7 +137,11 @@ def partial_groups(store) -> list:
 def test_a_killed_engine_loses_no_sample(local_ray, tmp_path, model_dir, engines_of):
     """An engine actor dies between steps, with partial groups of its own parked in the store: the
     monitor's calls to it fail, those samples go to the surviving engine, and nothing is lost."""
-    cfg = small_cfg(tmp_path, "engine.park_slots=32", "engine.reuse_stale_kv=true")
+    # Long responses: the random model ends a sample early often enough that groups finish far apart, so
+    # some are still generating when the N-th finishes. At 24 tokens nearly every sample ran to the cap and
+    # all groups finished within an engine step or two of each other; under CI's load none was left partial.
+    cfg = small_cfg(tmp_path, "engine.park_slots=32", "engine.reuse_stale_kv=true", "sampling.max_response_len=200",
+                    "engine.max_model_len=256")
     engines = engines_of(cfg, model_dir)
     actors, stored = None, []
     for step in range(6):  # which engine's groups are left partial depends on timing: step until some are
