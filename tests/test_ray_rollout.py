@@ -84,7 +84,8 @@ def engines_of():
 @pytest.mark.parametrize("park", [False, True])
 def test_april_steps_on_two_engine_workers(local_ray, tmp_path, model_dir, engines_of, park):
     extra = ["engine.park_slots=32", "engine.reuse_stale_kv=true"] if park else []
-    cfg = small_cfg(tmp_path, *extra)
+    # long responses, so groups finish far apart and some are interrupted (see the killed-engine test)
+    cfg = small_cfg(tmp_path, "sampling.max_response_len=200", "engine.max_model_len=256", *extra)
     engines = engines_of(cfg, model_dir)
     actors, results = run_steps(cfg, model_dir, engines, 8)
     resumed = [s for _, samples in results for s in samples if s.num_resumes]
@@ -138,7 +139,7 @@ def test_a_killed_engine_loses_no_sample(local_ray, tmp_path, model_dir, engines
     """An engine actor dies between steps, with partial groups of its own parked in the store: the
     monitor's calls to it fail, those samples go to the surviving engine, and nothing is lost."""
     # Long responses: the random model ends a sample early often enough that groups finish far apart, so
-    # some are still generating when the N-th finishes. At 24 tokens nearly every sample ran to the cap and
+    # some are still generating when the N-th group finishes. At 24 tokens nearly every sample ran to the cap and
     # all groups finished within an engine step or two of each other; under CI's load none was left partial.
     cfg = small_cfg(tmp_path, "engine.park_slots=32", "engine.reuse_stale_kv=true", "sampling.max_response_len=200",
                     "engine.max_model_len=256")
