@@ -628,16 +628,17 @@ def test_measure_cpu_takes_its_costs_from_a_bench_run_and_calibrate_reads_them(t
     assert all(r["in_situ_utilization"] == measured["in_situ"][r["mode"]]["utilization"] for r in result["comparison"])
 
 
-def test_another_thread_alive_delays_only_the_clock_jumps(monkeypatch):
-    """While another thread lives (it could post a result), the loop waits for real before jumping the
-    clock, but not on the iterations that have callbacks ready: 1,000 of those cost no waiting."""
+def test_a_thread_of_its_own_delays_only_the_clock_jumps(monkeypatch):
+    """While a thread started during the simulation lives (it could post a result), the loop waits for
+    real before jumping the clock, but not on the iterations that have callbacks ready: 1,000 of those
+    cost no waiting."""
     import threading
 
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait, daemon=True)
-    thread.start()
 
     async def main(loop):
+        thread.start()
         for _ in range(1000):
             await asyncio.sleep(0)
         return loop.time()
@@ -649,3 +650,46 @@ def test_another_thread_alive_delays_only_the_clock_jumps(monkeypatch):
     finally:
         stop.set()
         thread.join()
+
+
+def test_a_result_posted_by_a_thread_of_its_own_arrives_before_the_clock_jumps():
+    """A thread started during the simulation posts its result after a real delay, while the next timer
+    is an hour away: the loop waits for it rather than jumping the clock (the result arrives at virtual
+    time 0, and before the timer)."""
+    import threading
+    import time
+
+    async def main(loop):
+        fut = loop.create_future()
+        timer = asyncio.ensure_future(asyncio.sleep(3600.0))
+        threading.Thread(target=lambda: (time.sleep(0.2), loop.call_soon_threadsafe(fut.set_result, loop.time())),
+                         daemon=True).start()
+        posted_at = await fut
+        return posted_at, loop.time(), timer.done()
+
+    assert run_virtual(main) == (0.0, 0.0, False)
+
+
+def test_threads_alive_before_the_loop_hold_nothing_up(monkeypatch):
+    """Threads that were alive when the loop was made (a notebook kernel's, a progress bar's monitor) are
+    not the simulation's: a day of virtual sleeps makes no real wait and no system call to wait in."""
+    import threading
+
+    stop = threading.Event()
+    threads = [threading.Thread(target=stop.wait, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+
+    async def main(loop):
+        for _ in range(24):
+            await asyncio.sleep(3600.0)
+        return loop.time()
+
+    waits = real_waits(monkeypatch)
+    try:
+        assert run_virtual(main) == 24 * 3600.0
+        assert waits == []
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()

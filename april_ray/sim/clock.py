@@ -30,10 +30,10 @@ class SimulationStalled(RuntimeError):
     """Nothing is ready and no timer is set: every task waits for something that will never happen."""
 
 
-def _other_threads() -> bool:
-    """`threading.active_count() > 1` without its lock (a check per loop iteration): the two registries
-    it counts, read as they are (a dict's length is read atomically)."""
-    return len(threading._active) + len(threading._limbo) > 1
+def _alive_threads() -> list[threading.Thread]:
+    """The threads alive or starting, without `threading.enumerate`'s lock: its two registries, read as
+    they are (a copy of a dict's values is atomic)."""
+    return [*threading._active.values(), *threading._limbo]
 
 
 class _Timer:
@@ -58,9 +58,11 @@ class _Timer:
 
 
 class _VirtualSelector(selectors.SelectSelector):
-    """Never sleeps in virtual time; but while another thread is alive (a result may come back through
-    `call_soon_threadsafe`), it waits for real, up to THREAD_WAIT_S, before moving the clock on (only
-    then: with callbacks ready it just polls). With no other thread it makes no system call at all (one
+    """Never sleeps in virtual time; but while a thread started since the loop was made is alive (a
+    result may come back through `call_soon_threadsafe`), it waits for real, up to THREAD_WAIT_S, before
+    moving the clock on (only then: with callbacks ready it just polls). Threads that were already alive
+    when the loop was made (a notebook's kernel threads, a progress bar's monitor) are not the
+    simulation's and hold nothing up. With no thread of its own it makes no system call at all (one
     `select` per loop iteration was ~9% of a large simulation's CPU); `VirtualLoop._run_once` then does not
     call it either."""
 
@@ -71,7 +73,7 @@ class _VirtualSelector(selectors.SelectSelector):
         self.loop = loop
 
     def select(self, timeout=None):
-        threads = _other_threads()  # alone, nothing can write to the loop's pipes
+        threads = self.loop.threads_of_its_own()  # alone, nothing can write to the loop's pipes
         if timeout is not None and timeout <= 0:
             return super().select(0) if threads else []
         waited = 0.0
@@ -80,7 +82,7 @@ class _VirtualSelector(selectors.SelectSelector):
             if events:
                 return events
             waited += 0.01
-            threads = _other_threads()
+            threads = self.loop.threads_of_its_own()
         if timeout is None:
             raise SimulationStalled("virtual clock: no callback is ready and no timer is set")
         self.loop.now += timeout
@@ -101,10 +103,21 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         """Virtual seconds the simulated engines have been held up by clocked work (with `stall`)."""
         self._timers: list[tuple[float, int, asyncio.TimerHandle | _Timer]] = []
         self._timer_seq = itertools.count()
+        self.foreign_threads = frozenset(_alive_threads())
+        """The threads alive when the loop was made, its own included: not the simulation's."""
         super().__init__(_VirtualSelector(self))
 
     def time(self) -> float:
         return self.now
+
+    def threads_of_its_own(self) -> bool:
+        """Whether a thread started since the loop was made is alive or starting: one that may post a
+        result. Counted first (a check per loop iteration; the threads are compared only when there are
+        more than the loop's own, so one that ended and one that started cannot cancel out)."""
+        if len(threading._active) + len(threading._limbo) <= 1:
+            return False
+        foreign = self.foreign_threads
+        return any(t not in foreign for t in _alive_threads())
 
     def watch(self, owner, account: str) -> None:
         """Time `owner`'s callbacks into `cpu[account]` (a task is forgotten when it is done)."""
@@ -174,8 +187,8 @@ class VirtualLoop(asyncio.SelectorEventLoop):
             timeout = 0
         else:
             timeout = max(0.0, timers[0][0] - self.now) if timers else None
-        if len(threading._active) + len(threading._limbo) > 1:  # `_other_threads`, inline: a result may come
-            # through the self-pipe, the selector waits for it
+        if len(threading._active) + len(threading._limbo) > 1 and self.threads_of_its_own():  # (the count
+            # inline) a result may come through the self-pipe: the selector waits for it
             self._process_events(self._selector.select(timeout))
         elif timeout is None:
             raise SimulationStalled("virtual clock: no callback is ready and no timer is set")
