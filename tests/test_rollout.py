@@ -362,11 +362,18 @@ def test_engines_all_dead_mid_step_wait_for_revival_and_lose_nothing():
     async def main():
         seen = set()
         check_invariants(await rollout.step(0, 0), rollout, source, store, c, seen)
-        loop = asyncio.get_running_loop()
-        loop.call_later(0.01, pool.kill, 0)
-        loop.call_later(0.015, pool.kill, 1)
-        loop.call_later(0.2, lambda: (pool.restart(1), rollout.revive([1])))
-        r1 = await rollout.step(1, 0)
+
+        async def chaos(t0):  # on progress, not at fixed times: each engine has returned a call of step 1
+            while min(rollout.heard_s) <= t0:  # (the work thrown away is estimated from that return on)
+                await asyncio.sleep(0.001)
+            pool.kill(0)
+            await asyncio.sleep(0.005)
+            pool.kill(1)
+            await asyncio.sleep(0.2)
+            pool.restart(1)
+            rollout.revive([1])
+
+        r1, _ = await asyncio.gather(rollout.step(1, 0), chaos(rollout.clock()))
         check_invariants(r1, rollout, source, store, c, seen)
         assert rollout.alive == [False, True]
         assert r1.metrics["rollout/engine_crashes"] == 2 and r1.metrics["rollout/crash_tokens_lost"] > 0
