@@ -22,9 +22,13 @@ def test_a_killed_driver_resumes_with_every_prompt_consumed_once(tmp_path, rando
     monkeypatch.chdir(ROOT)
     overrides = [f"model.path={random_model_dir}", f"model.cache_dir={tmp_path}", f"train.output_dir={tmp_path}/out",
                  "task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=4",
-                 "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24",
-                 "engine.max_model_len=64", "algorithm.overlong_buffer=8", "learner.lr=1e-3", "train.num_steps=6",
-                 "train.eval_every=100", "train.save_every=2", "logging.wandb_mode=disabled", "logging.dashboard=false"]
+                 "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4", "sampling.max_response_len=200",
+                 "engine.max_model_len=256", "algorithm.overlong_buffer=8", "learner.lr=1e-3", "train.num_steps=6",
+                 "train.eval_every=100", "train.save_every=1", "logging.wandb_mode=disabled", "logging.dashboard=false"]
+    # A checkpoint every step: the kill, a random part of a step after a step's row, may land while that
+    # step's checkpoint is still being written, and the resume must still find the one before it. Long
+    # responses: groups finish far apart, so each checkpoint's store holds partial groups (at 24 tokens
+    # nearly every sample ran to the cap and whether any group was left partial was down to timing).
     cfg = load_config("configs/tiny_cpu.yaml", overrides)
     args = argparse.Namespace(config="configs/tiny_cpu.yaml", overrides=overrides, driver_kills=1, seed=4)
     result = run_driver_kills(cfg, args)
