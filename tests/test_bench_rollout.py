@@ -18,8 +18,11 @@ def test_bench_rollout_runs_every_mode_and_the_sweep(tmp_path, random_model_dir)
            "--probe-every", "1", "--probe-seconds", "0.5", "--sweep", "--sweep-steps", "1",
            "--out-dir", str(tmp_path / "plots"), f"model.path={random_model_dir}", f"model.cache_dir={tmp_path}",
            "task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=4",
-           "rollout.over_sampling_batch_size=4", "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24",
-           "engine.max_model_len=64", "engine.max_num_seqs=16", "engine.park_slots=16"]
+           "rollout.over_sampling_batch_size=4", "rollout.n_samples_per_prompt=4", "sampling.max_response_len=100",
+           "engine.max_model_len=128", "engine.max_num_seqs=16", "engine.park_slots=16"]
+    # 100-token responses: groups finish far enough apart that APRIL's top-ups are left partial, parked,
+    # and resumed from their parked caches within two steps (at 24 tokens nearly every sample ran to the
+    # cap, and whether one was came down to timing)
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
