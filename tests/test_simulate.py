@@ -50,9 +50,7 @@ def test_virtual_clock_jumps_instead_of_sleeping(monkeypatch):
     waits = real_waits(monkeypatch)
     elapsed, done = run_virtual(main)
     assert elapsed == pytest.approx(65.0) and done == 1
-    # never a wait for the timers' time: at most the short polls for a result from another thread (if a
-    # thread left by another test is alive in this process)
-    assert all(t is not None and t <= 0.01 for t in waits)
+    assert all(t is not None and t <= 0.01 for t in waits)  # never a wait for the timers' time
 
 
 def test_virtual_clock_reports_a_deadlock_instead_of_hanging():
@@ -668,6 +666,23 @@ def test_a_result_posted_by_a_thread_of_its_own_arrives_before_the_clock_jumps()
         return posted_at, loop.time(), timer.done()
 
     assert run_virtual(main) == (0.0, 0.0, False)
+
+
+def test_an_executor_call_on_a_thread_older_than_the_loop_is_waited_for():
+    """Work handed by `run_in_executor` to a pool whose thread was alive before the loop was made: the
+    loop waits for its result rather than jumping the clock to the next timer."""
+    import concurrent.futures
+    import time
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: None).result()  # its one thread starts now, before the loop
+
+        async def main(loop):
+            timer = asyncio.ensure_future(asyncio.sleep(3600.0))
+            await loop.run_in_executor(pool, time.sleep, 0.2)
+            return loop.time(), timer.done(), loop.executor_calls
+
+        assert run_virtual(main) == (0.0, False, 0)
 
 
 def test_threads_alive_before_the_loop_hold_nothing_up(monkeypatch):

@@ -32,8 +32,9 @@ class SimulationStalled(RuntimeError):
 
 def _alive_threads() -> list[threading.Thread]:
     """The threads alive or starting, without `threading.enumerate`'s lock: its two registries, read as
-    they are (a copy of a dict's values is atomic)."""
-    return [*threading._active.values(), *threading._limbo]
+    they are (a copy of a dict's values is atomic), the starting ones first (a thread moves from `_limbo`
+    to `_active`: read the other way round, one moving in between would be in neither)."""
+    return [*threading._limbo, *threading._active.values()]
 
 
 class _Timer:
@@ -62,7 +63,9 @@ class _VirtualSelector(selectors.SelectSelector):
     result may come back through `call_soon_threadsafe`), it waits for real, up to THREAD_WAIT_S, before
     moving the clock on (only then: with callbacks ready it just polls). Threads that were already alive
     when the loop was made (a notebook's kernel threads, a progress bar's monitor) are not the
-    simulation's and hold nothing up. With no thread of its own it makes no system call at all (one
+    simulation's and hold nothing up, but for work the loop hands to one (`run_in_executor` on an
+    executor made before the loop: its calls in flight are counted). With no thread of its own it makes
+    no system call at all (one
     `select` per loop iteration was ~9% of a large simulation's CPU); `VirtualLoop._run_once` then does not
     call it either."""
 
@@ -105,19 +108,33 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         self._timer_seq = itertools.count()
         self.foreign_threads = frozenset(_alive_threads())
         """The threads alive when the loop was made, its own included: not the simulation's."""
+        self.executor_calls = 0
+        """`run_in_executor` calls whose result has not reached the loop yet."""
         super().__init__(_VirtualSelector(self))
 
     def time(self) -> float:
         return self.now
 
     def threads_of_its_own(self) -> bool:
-        """Whether a thread started since the loop was made is alive or starting: one that may post a
-        result. Counted first (a check per loop iteration; the threads are compared only when there are
-        more than the loop's own, so one that ended and one that started cannot cancel out)."""
-        if len(threading._active) + len(threading._limbo) <= 1:
+        """Whether a result may come from another thread: a thread started since the loop was made is
+        alive or starting, or an executor call is in flight (its thread may be older than the loop).
+        Counted first (a check per loop iteration; the threads are compared only when there are more than
+        the loop's own, so one that ended and one that started cannot cancel out)."""
+        if len(threading._limbo) + len(threading._active) <= 1:
             return False
+        if self.executor_calls:
+            return True
         foreign = self.foreign_threads
         return any(t not in foreign for t in _alive_threads())
+
+    def run_in_executor(self, executor, func, *args):
+        fut = super().run_in_executor(executor, func, *args)
+        self.executor_calls += 1
+        fut.add_done_callback(self._executor_call_done)
+        return fut
+
+    def _executor_call_done(self, _) -> None:
+        self.executor_calls -= 1
 
     def watch(self, owner, account: str) -> None:
         """Time `owner`'s callbacks into `cpu[account]` (a task is forgotten when it is done)."""
@@ -187,7 +204,7 @@ class VirtualLoop(asyncio.SelectorEventLoop):
             timeout = 0
         else:
             timeout = max(0.0, timers[0][0] - self.now) if timers else None
-        if len(threading._active) + len(threading._limbo) > 1 and self.threads_of_its_own():  # (the count
+        if len(threading._limbo) + len(threading._active) > 1 and self.threads_of_its_own():  # (the count
             # inline) a result may come through the self-pipe: the selector waits for it
             self._process_events(self._selector.select(timeout))
         elif timeout is None:
