@@ -57,13 +57,16 @@ def test_ray_job_submit_runs_training_and_serves_metrics(head, tmp_path):
     assert "\r" not in logs, "a progress bar's carriage returns in the job log"
     assert re.search(r"^april-ray step 3/3 \[\d+s\] .*reward=", logs, re.M), logs[-2000:]
     assert REQUIRED <= seen, f"missing on the metrics endpoint: {REQUIRED - seen}; seen {sorted(seen)}"
-    # and every other one, but the crash counter (no engine died) and, if no resumed sample found its parked
-    # cache in these three steps (that is down to timing), the reused-cache counter: a counter that was
-    # never incremented has no series
+    # and every other one, but the crash counter (no engine died; a counter never incremented has no
+    # series). The reused-cache counter is required once a resumed sample found its parked cache before the
+    # last step (when, in three steps, is down to timing; one first incremented in the last step may not
+    # have been exported before the job's actors ended)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    reused = max(r.get("engine/reused_kv_tokens_total", 0) for r in rows)
-    unrecorded = {"ray_april_engine_crashes_total"} | (set() if reused else {"ray_april_engine_reused_kv_tokens_total"})
-    assert seen == {f"ray_{name}" for name in METRICS} - unrecorded, sorted(seen)
+    steps = [r for r in rows if "engine/reused_kv_tokens_total" in r]
+    reused_early = len(steps) > 1 and steps[-2]["engine/reused_kv_tokens_total"] > 0
+    expected = {f"ray_{name}" for name in METRICS} - {"ray_april_engine_crashes_total"}
+    optional = set() if reused_early else {"ray_april_engine_reused_kv_tokens_total"}
+    assert expected - optional <= seen <= expected, (sorted(expected - optional - seen), sorted(seen - expected))
 
 
 def test_staleness_shares_sum_to_the_units():

@@ -363,8 +363,9 @@ def test_engines_all_dead_mid_step_wait_for_revival_and_lose_nothing():
         seen = set()
         check_invariants(await rollout.step(0, 0), rollout, source, store, c, seen)
 
-        async def chaos(t0):  # on progress, not at fixed times: each engine has returned a call of step 1
-            while min(rollout.heard_s) <= t0:  # (the work thrown away is estimated from that return on)
+        async def chaos(t0, step):  # on progress, not at fixed times: each engine has returned a call of
+            while min(rollout.heard_s) <= t0:  # step 1 (the work thrown away is estimated from that return on)
+                assert not step.done(), "step 1 ended before both engines had returned a call"
                 await asyncio.sleep(0.001)
             pool.kill(0)
             await asyncio.sleep(0.005)
@@ -373,7 +374,9 @@ def test_engines_all_dead_mid_step_wait_for_revival_and_lose_nothing():
             pool.restart(1)
             rollout.revive([1])
 
-        r1, _ = await asyncio.gather(rollout.step(1, 0), chaos(rollout.clock()))
+        t0, step = rollout.clock(), asyncio.ensure_future(rollout.step(1, 0))
+        await chaos(t0, step)
+        r1 = await step
         check_invariants(r1, rollout, source, store, c, seen)
         assert rollout.alive == [False, True]
         assert r1.metrics["rollout/engine_crashes"] == 2 and r1.metrics["rollout/crash_tokens_lost"] > 0
