@@ -185,6 +185,35 @@ def test_abort_returns_partial_tokens_and_resume_continues_with_the_remaining_bu
     assert second.finish_reason == FinishReason.STOP and second.num_tokens == 39 and second.versions == [1] * 39
 
 
+def test_outputs_share_their_repeated_lists_and_a_resumed_sample_gets_lists_of_its_own(monkeypatch):
+    """Outputs of the same length and version share one list each (read-only, as every message's lists
+    are); a sample resumed on them gets new lists, leaving the shared ones as they were; the shared lists
+    are let go past their bound, and lists made after that are equal."""
+    import april_ray.sim.engine as sim_engine
+    from april_ray.types import Sample
+
+    async def main(loop):
+        e = SimEngine(FLAT, Lengths(30), max_num_seqs=4, kv_capacity=10_000, max_prefill_tokens=1000, version=2)
+        a, b = await asyncio.gather(e.generate(request("a@0")), e.generate(request("b@0")))
+        sample = Sample("s", "g", "", "", [0], 100)
+        sample.extend(a)
+        e.update_weights(None, 3)
+        more = await e.generate(request("s@1", done=10, budget=70))  # 20 blocks left, of version 3
+        sample.extend(more)
+        return a, b, sample
+
+    a, b, sample = run_virtual(main)
+    assert a.token_ids is b.token_ids and a.logprobs is b.logprobs and a.versions is b.versions
+    assert sample.versions == [2] * 30 + [3] * 20 and sample.versions is not a.versions
+    assert a.versions == [2] * 30 and a.token_ids == [0] * 30 and a.logprobs == [-1.0] * 30
+    for name, value in (("_MAX_SHARED_ITEMS", 50), ("_SHARED_ITEMS", [0]), ("_REPEATED", {}), ("_LOGPROBS", {})):
+        monkeypatch.setattr(sim_engine, name, value)
+    kept = sim_engine._repeated(7, 40)
+    assert sim_engine._repeated(7, 40) is kept
+    assert sim_engine._repeated(8, 40) == [8] * 40 and sim_engine._repeated(7, 40) is not kept  # let go
+    assert sim_engine._repeated(7, 40) == kept
+
+
 def test_budget_ends_a_sample_with_reason_length():
     async def main(loop):
         e = SimEngine(FLAT, Lengths(500), max_num_seqs=4, kv_capacity=10_000, max_prefill_tokens=1000)
