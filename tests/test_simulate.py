@@ -206,7 +206,7 @@ def test_outputs_share_their_repeated_lists_and_a_resumed_sample_gets_lists_of_i
     assert a.token_ids is b.token_ids and a.logprobs is b.logprobs and a.versions is b.versions
     assert sample.versions == [2] * 30 + [3] * 20 and sample.versions is not a.versions
     assert a.versions == [2] * 30 and a.token_ids == [0] * 30 and a.logprobs == [-1.0] * 30
-    for name, value in (("_MAX_SHARED_ITEMS", 50), ("_SHARED_ITEMS", [0]), ("_REPEATED", {}), ("_LOGPROBS", {})):
+    for name, value in (("_MAX_REPEATED_ITEMS", 50), ("_repeated_items", 0), ("_REPEATED", {})):
         monkeypatch.setattr(sim_engine, name, value)
     kept = sim_engine._repeated(7, 40)
     assert sim_engine._repeated(7, 40) is kept

@@ -36,39 +36,27 @@ from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateR
 
 _STOP, _LENGTH = FinishReason.STOP, FinishReason.LENGTH
 
-_REPEATED: dict[tuple[int, int], list[int]] = {}
-_LOGPROBS: dict[int, list[float]] = {}
-_SHARED_ITEMS = [0]
-_MAX_SHARED_ITEMS = 1 << 22
+_REPEATED: dict[tuple[int | float, int], list] = {}
+"""Shared output lists by (value, length): token ids and versions (ints >= 0) and the logprob -1.0, so no
+two keys of different types are equal."""
+_MAX_REPEATED_ITEMS = 1 << 22
+_repeated_items = 0
 
 
-def _repeated(value: int, n: int) -> list[int]:
+def _repeated(value: int | float, n: int) -> list:
     """`[value] * n`, one list per (value, n) shared by every output that needs it (an output's lists are
-    read, never changed in place: `Sample.extend` replaces a sample's lists). At 1,024 GPUs the shared
-    lists made sync 6% and APRIL 3-4% cheaper (side by side), where a new list per output filled memory
-    with copies. At most `_MAX_SHARED_ITEMS` items are kept (32 MB); past that the lists are let go."""
+    read, never changed in place: `Sample.extend` replaces a sample's lists): a new list per output filled
+    a large simulation's memory with copies. At most `_MAX_REPEATED_ITEMS` items are kept (32 MB); past
+    that the lists are let go."""
+    global _repeated_items
     got = _REPEATED.get((value, n))
     if got is None:
         got = _REPEATED[value, n] = [value] * n
-        _count_shared(n)
+        _repeated_items += n
+        if _repeated_items > _MAX_REPEATED_ITEMS:
+            _REPEATED.clear()
+            _repeated_items = 0
     return got
-
-
-def _logprobs(n: int) -> list[float]:
-    """`[-1.0] * n` (logprobs are not simulated), shared as `_repeated`'s lists are."""
-    got = _LOGPROBS.get(n)
-    if got is None:
-        got = _LOGPROBS[n] = [-1.0] * n
-        _count_shared(n)
-    return got
-
-
-def _count_shared(n: int) -> None:
-    _SHARED_ITEMS[0] += n
-    if _SHARED_ITEMS[0] > _MAX_SHARED_ITEMS:
-        _REPEATED.clear()
-        _LOGPROBS.clear()
-        _SHARED_ITEMS[0] = 0
 
 
 class _Request:
@@ -353,7 +341,7 @@ class SimEngine:
             for v, c in r.runs:
                 versions += [v] * c
             n = len(versions)
-        r.fut.set_result(GenerateOutput(r.request_id, _repeated(r.token, n), _logprobs(n), versions, reason))
+        r.fut.set_result(GenerateOutput(r.request_id, _repeated(r.token, n), _repeated(-1.0, n), versions, reason))
 
     def _admit(self) -> None:
         self.prefill_full = False
