@@ -208,10 +208,10 @@ def test_outputs_share_their_repeated_lists_and_a_resumed_sample_gets_lists_of_i
     assert a.versions == [2] * 30 and a.token_ids == [0] * 30 and a.logprobs == [-1.0] * 30
     for name, value in (("_MAX_REPEATED_ITEMS", 50), ("_repeated_items", 0), ("_REPEATED", {})):
         monkeypatch.setattr(sim_engine, name, value)
-    kept = sim_engine._repeated(7, 40)
-    assert sim_engine._repeated(7, 40) is kept
-    assert sim_engine._repeated(8, 40) == [8] * 40 and sim_engine._repeated(7, 40) is not kept  # let go
-    assert sim_engine._repeated(7, 40) == kept
+    kept = sim_engine.repeated(7, 40)
+    assert sim_engine.repeated(7, 40) is kept
+    assert sim_engine.repeated(8, 40) == [8] * 40 and sim_engine.repeated(7, 40) is not kept  # let go
+    assert sim_engine.repeated(7, 40) == kept
 
 
 def test_budget_ends_a_sample_with_reason_length():

@@ -43,7 +43,7 @@ _MAX_REPEATED_ITEMS = 1 << 22
 _repeated_items = 0
 
 
-def _repeated(value: int | float, n: int) -> list:
+def repeated(value: int | float, n: int) -> list:
     """`[value] * n`, one list per (value, n) shared by every output that needs it (an output's lists are
     read, never changed in place: `Sample.extend` replaces a sample's lists): a new list per output filled
     a large simulation's memory with copies. At most `_MAX_REPEATED_ITEMS` items are kept (32 MB); past
@@ -335,13 +335,13 @@ class SimEngine:
             return
         if len(r.runs) == 1:
             v, n = r.runs[0]
-            versions = _repeated(v, n)
+            versions = repeated(v, n)
         else:
             versions = []
             for v, c in r.runs:
                 versions += [v] * c
             n = len(versions)
-        r.fut.set_result(GenerateOutput(r.request_id, _repeated(r.token, n), _repeated(-1.0, n), versions, reason))
+        r.fut.set_result(GenerateOutput(r.request_id, repeated(r.token, n), repeated(-1.0, n), versions, reason))
 
     def _admit(self) -> None:
         self.prefill_full = False

@@ -40,6 +40,7 @@ from april_ray.rollout.local import LocalPool
 from april_ray.rollout.prompt_source import PromptSource
 from april_ray.sim import study
 from april_ray.sim.clock import run_virtual
+from april_ray.sim.engine import repeated
 from april_ray.sim.cluster import InlineReward
 from april_ray.types import FinishReason, GenerateOutput, SamplingParams
 
@@ -47,7 +48,9 @@ BAR_CPU_S = 120.0
 
 
 class InstantEngine:
-    """Answers each request at once: the sample's drawn blocks (at most its budget), finished, version 0."""
+    """Answers each request at once: the sample's drawn blocks (at most its budget), finished, version 0,
+    in output lists shared as the simulated engine shares them (`sim.engine.repeated`), so that what it
+    costs is little besides the future and the output every engine makes."""
 
     def __init__(self, workload):
         self.workload = workload
@@ -58,7 +61,8 @@ class InstantEngine:
         n = max(1, min(left, request.sampling.max_new_tokens))
         self.num_requests += 1
         fut = asyncio.get_running_loop().create_future()
-        fut.set_result(GenerateOutput(request.request_id, [token] * n, [-1.0] * n, [0] * n, FinishReason.STOP))
+        fut.set_result(GenerateOutput(request.request_id, repeated(token, n), repeated(-1.0, n), repeated(0, n),
+                                      FinishReason.STOP))
         return fut
 
     def abort_all(self) -> int:
@@ -67,7 +71,9 @@ class InstantEngine:
 
 def worker_alone(setting, groups: int, n_samples: int, rounds: int) -> dict:
     """CPU per sample call of `LocalPool` + `EngineWorker` over `InstantEngine`s, `groups` groups a round
-    spread over the setting's engines, each group one call (as the monitor sends a fresh group)."""
+    spread over the setting's engines, each group one call (as the monitor sends a fresh group). Every
+    sample's length is drawn before the clock starts (the draw is the simulated workload's cost, not the
+    worker's: ~2 us a sample here)."""
     wl = setting.workload
 
     async def main(loop) -> tuple[float, int]:
@@ -81,6 +87,9 @@ def worker_alone(setting, groups: int, n_samples: int, rounds: int) -> dict:
         cpu = 0.0
         for r in range(rounds):
             batch = source.take(groups, r)
+            for g in batch:
+                for s in g.samples:
+                    wl.target(s.sample_id, s.prompt_ids)
             t0 = time.process_time()
             calls = [pool.generate(i % len(workers), g.samples, ("bench", r))[0] for i, g in enumerate(batch)]
             await asyncio.gather(*calls)
