@@ -40,8 +40,8 @@ from april_ray.rollout.local import LocalPool
 from april_ray.rollout.prompt_source import PromptSource
 from april_ray.sim import study
 from april_ray.sim.clock import run_virtual
-from april_ray.sim.engine import repeated
 from april_ray.sim.cluster import InlineReward
+from april_ray.sim.engine import repeated
 from april_ray.types import FinishReason, GenerateOutput, SamplingParams
 
 BAR_CPU_S = 120.0
