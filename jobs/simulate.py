@@ -2,7 +2,7 @@
 simulated engines (april_ray/sim/), from a few GPUs to a thousand.
 
     python -m jobs.simulate --config configs/qwen3_4b_dapo.yaml --gpus 8,64,512,1024 [--factors 1,1.5,2,3,4]
-        --json PATH [--plot PNG] [--workers N] [key=value ...] [simulate.key=value ...]
+        --json PATH [--plot PNG] [--workers N|auto] [key=value ...] [simulate.key=value ...]
     python -m jobs.simulate --config configs/tiny_cpu.yaml --measure-cpu docs/benchmarks/simulate_cpu.json
     python -m jobs.simulate --config configs/tiny_cpu.yaml --calibrate --json PATH
 
@@ -20,7 +20,9 @@ less those its staleness mask drops (`masked_token_ratio`; staleness.policy mask
 over-provisioned baseline returns the N that finish first, the shortest). Every schedule runs on its own
 virtual loop, so `--workers N` runs N of them side by side in as many processes, the largest first: the
 same results (but for the measured control-plane CPU, which passes on the virtual clock) in about the
-time of the longest schedule, given N free cores. `cpu_s` in the JSON counts every process's CPU.
+time of the longest schedule, given N free cores. The default, `auto`, is one process per core this
+process may run on (at most one per schedule; `--workers 1`: all in this process). `cpu_s` in the JSON
+counts every process's CPU, `wall_s` the command's wall-clock time; the last line printed gives both.
 
 `--measure-cpu` runs `jobs.bench.schedule` once (`--record-steps` rounds, default 24) for the CPU
 engine's step costs, times a grid of uniform batches, and records the tiny model's response lengths.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -55,8 +58,9 @@ def parse() -> tuple:
     parser.add_argument("--factors", default=None, help="APRIL's N'/N, comma-separated (default: the config's)")
     parser.add_argument("--json", default=None, help="where to write the results")
     parser.add_argument("--plot", default=None, help="PNG: utilization vs N'/N per GPU count")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="the GPU study: processes running its schedules side by side (default 1)")
+    parser.add_argument("--workers", default="auto",
+                        help="the GPU study: processes running its schedules side by side (default auto: one "
+                             "per core this process may use)")
     parser.add_argument("--measure-cpu", default=None, metavar="PATH", help="measure the CPU engine, write PATH")
     parser.add_argument("--record-steps", type=int, default=24, help="--measure-cpu: the bench's rounds")
     parser.add_argument("--probe-seconds", type=float, default=2.0, help="--measure-cpu: the bench's probe window")
@@ -65,10 +69,15 @@ def parse() -> tuple:
     parser.add_argument("--measured", default=str(DOCS / "bench_schedule_calibration.json"),
                         help="jobs.bench.schedule's JSON: the utilizations to predict (and their step costs)")
     args = parser.parse_intermixed_args()
-    if args.workers < 1:
-        parser.error(f"--workers {args.workers}: must be at least 1")
-    if args.workers > 1 and (args.calibrate or args.measure_cpu):
-        parser.error("--workers runs the GPU study's schedules side by side; --calibrate and --measure-cpu run alone")
+    if args.workers != "auto":
+        try:
+            args.workers = int(args.workers)
+        except ValueError:
+            parser.error(f"--workers {args.workers}: expected a number of processes or auto")
+        if args.workers < 1:
+            parser.error(f"--workers {args.workers}: must be at least 1")
+        if args.workers > 1 and (args.calibrate or args.measure_cpu):
+            parser.error("--workers runs the GPU study's schedules side by side; --calibrate and --measure-cpu run alone")
     cfg, sim = study_inputs(parser, args)
     if args.print_config:
         print(to_yaml(cfg))
@@ -111,15 +120,26 @@ def number_list(parser, flag: str, text: str, kind, ok, rule: str) -> list:
     return values
 
 
-def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float], workers: int = 1) -> dict:
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the system has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        return os.cpu_count() or 1
+
+
+def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float], workers: int | str = 1) -> dict:
     """Every GPU count's synchronous baseline, and APRIL and the over-provisioned baseline at each factor,
     each schedule on its own virtual loop: with `workers` > 1 they run side by side in that many processes
-    (largest first), and each schedule's CPU figures are its own process's."""
+    (largest first), and each schedule's CPU figures are its own process's; `auto`: one per usable core, at
+    most one per schedule. The result's `workers` is the number of processes that ran them."""
     # every engine is alike, whatever their number
     ceiling = study.ceiling_of(study.gpu_setting(cfg, sim, gpus[0]), cfg.rollout.n_samples_per_prompt)
     # at N'/N = 1 the over-provisioned baseline is the synchronous one: not simulated twice
     jobs = [job for g in gpus for job in [(g, None, "sync")]
             + [(g, f, k) for f in factors for k in ("april", "oversample") if k == "april" or f > 1]]
+    if workers == "auto":
+        workers = min(usable_cores(), len(jobs))
     pool = None
     if workers > 1:
         import multiprocessing
@@ -145,7 +165,7 @@ def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float
         if pool:  # on a failure, the schedules not started yet are dropped
             pool.shutdown(cancel_futures=True)
     setting = study.gpu_setting(cfg, sim, gpus[-1])
-    return {"ceiling_tok_s_per_engine": ceiling * setting.workload.block, "results": rows,
+    return {"workers": workers, "ceiling_tok_s_per_engine": ceiling * setting.workload.block, "results": rows,
             "assumptions": study.assumptions(cfg, sim, setting),
             "control_plane_limit": control_plane_limit(rows, factors)}
 
@@ -287,13 +307,16 @@ def main() -> None:
         result = calibrate(cfg, sim, json.loads(Path(args.cpu_costs).read_text()),
                            json.loads(Path(args.measured).read_text()))
     else:
-        result = simulate_gpus(cfg, sim, args.gpus, args.factors, args.workers) | {"workers": args.workers}
+        result = simulate_gpus(cfg, sim, args.gpus, args.factors, args.workers)
         if args.plot:
             plot(result["results"], args.plot)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = {"wall_s": time.time() - t0, "cpu_s": time.process_time() - c0 + children.ru_utime + children.ru_stime,
               **result}
     write_result(args.json, result)
+    if not (args.calibrate or args.measure_cpu):
+        print(f"{result['wall_s']:.0f} s wall, {result['cpu_s']:.0f} s of CPU in {result['workers']} "
+              f"process{'es' if result['workers'] > 1 else ''}", flush=True)
 
 
 if __name__ == "__main__":

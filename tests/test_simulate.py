@@ -3,6 +3,7 @@ rollout on simulated engines, and `jobs.simulate`'s output."""
 import asyncio
 import json
 import math
+import os
 import random
 import re
 import subprocess
@@ -470,6 +471,11 @@ def test_bad_input_to_the_simulator_names_the_flag_or_the_entry(tmp_path):
     for text, message in [("8,x", "--gpus 8,x: expected comma-separated int"), ("8,7,0", "--gpus: 7, 0: expected")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             number_list(Parser(), "--gpus", text, **gpus)
+    for workers, message in [("x", "--workers x: expected a number of processes or auto"),
+                             ("0", "--workers 0: must be at least 1")]:
+        proc = subprocess.run([sys.executable, "-m", "jobs.simulate", "--config", "configs/qwen3_4b_dapo.yaml",
+                               "--workers", workers], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
 # -- the job ---------------------------------------------------------------------------------------------
@@ -517,8 +523,9 @@ def test_jobs_simulate_writes_the_promised_keys(tmp_path):
     cmd = [sys.executable, "-m", "jobs.simulate", "--config", "configs/qwen3_4b_dapo.yaml", "--gpus", "8,16",
            "--factors", "1,2", "--json", str(out), "--plot", str(png), "simulate.steps=2", "simulate.warmup_steps=1",
            "simulate.length_median=300", "sampling.max_response_len=2048", "engine.max_model_len=3072"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*cmd, "--workers", "1"], check=True, capture_output=True, text=True, timeout=300)
     result = json.loads(out.read_text())
+    assert result["workers"] == 1 and proc.stdout.rstrip().endswith("of CPU in 1 process")
     assert {"wall_s", "assumptions", "results"} <= result.keys() and png.stat().st_size > 0
     assert len(result["results"]) == 4
     for row in result["results"]:
@@ -534,13 +541,13 @@ def test_jobs_simulate_writes_the_promised_keys(tmp_path):
         assert row["lost_groups"] == row["duplicated_samples"] == row["samples_with_wrong_length"] == 0
         assert math.isfinite(row["step_s"]) and row["step_s"] > 0
     assert result["assumptions"]["accelerator"]["bandwidth"] == 3.35e12
-    # side by side in two processes: the same schedules (the control plane's measured CPU, which passes on
-    # the virtual clock, moves the figures by a hair)
+    # by default side by side, a process per usable core (at most one per schedule: 8 here): the same
+    # schedules (the control plane's measured CPU, which passes on the virtual clock, moves the figures by a hair)
     both = tmp_path / "both.json"
-    subprocess.run([*cmd[:cmd.index("--json") + 1], str(both), *cmd[cmd.index("--plot") + 2:], "--workers", "2"],
+    subprocess.run([*cmd[:cmd.index("--json") + 1], str(both), *cmd[cmd.index("--plot") + 2:]],
                    check=True, capture_output=True, text=True, timeout=300)
     side = json.loads(both.read_text())
-    assert side["workers"] == 2 and len(side["results"]) == len(result["results"]) == 4
+    assert side["workers"] == min(8, len(os.sched_getaffinity(0))) and len(side["results"]) == len(result["results"]) == 4
     for a, b in zip(result["results"], side["results"]):
         assert (a["gpus"], a["factor"], a["rollout_batch_size"]) == (b["gpus"], b["factor"], b["rollout_batch_size"])
         assert a["off_policy_token_ratio"] == pytest.approx(b["off_policy_token_ratio"], abs=0.02)
