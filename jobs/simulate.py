@@ -21,7 +21,8 @@ over-provisioned baseline returns the N that finish first, the shortest). Every 
 virtual loop, so `--workers N` runs N of them side by side in as many processes, the largest first: the
 same results (but for the measured control-plane CPU, which passes on the virtual clock) in about the
 time of the longest schedule, given N free cores. The default, `auto`, is one process per core this
-process may run on (at most one per schedule; `--workers 1`: all in this process). `cpu_s` in the JSON
+process may use (its CPU affinity, or a container's CPU quota if lower; at most one per schedule;
+`--workers 1`: all in this process). `cpu_s` in the JSON
 counts every process's CPU, `wall_s` the command's wall-clock time; the last line printed gives both.
 
 `--measure-cpu` runs `jobs.bench.schedule` once (`--record-steps` rounds, default 24) for the CPU
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import time
@@ -120,12 +122,26 @@ def number_list(parser, flag: str, text: str, kind, ok, rule: str) -> list:
     return values
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity where the system has one)."""
+def usable_cores(cgroup: str = "/sys/fs/cgroup") -> int:
+    """The cores this process may use: those it may run on (its affinity, where the system has one), fewer
+    under a CPU quota (a container's `--cpus`: cgroup v2's `cpu.max`, v1's `cpu/cpu.cfs_quota_us` over
+    `cpu.cfs_period_us`, rounded up)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # (not Linux)
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    root = Path(cgroup)
+    try:
+        if (root / "cpu.max").is_file():
+            quota, period = (root / "cpu.max").read_text().split()[:2]
+        else:
+            quota = (root / "cpu/cpu.cfs_quota_us").read_text().strip()
+            period = (root / "cpu/cpu.cfs_period_us").read_text().strip()
+        if quota not in ("max", "-1"):
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no quota readable: the affinity alone
+        pass
+    return cores
 
 
 def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float], workers: int | str = 1) -> dict:
@@ -232,7 +248,6 @@ def control_plane_limit(rows: list[dict], factors: list[float]) -> dict:
         if over:
             out[str(f)] = {"gpus": over[0], "how": "measured"}
         elif len(pts) >= 2 and pts[-1][1] > pts[-2][1] > 0:
-            import math
             (g1, c1, _), (g2, c2, r2) = pts[-2], pts[-1]
             k = math.log(c2 / c1) / math.log(g2 / g1)
             out[str(f)] = {"gpus": round(g2 * (r2 / c2) ** (1 / k)), "exponent": k, "how": "extrapolated"}

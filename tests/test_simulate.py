@@ -479,6 +479,25 @@ def test_bad_input_to_the_simulator_names_the_flag_or_the_entry(tmp_path):
 
 
 # -- the job ---------------------------------------------------------------------------------------------
+def test_usable_cores_follow_the_affinity_and_a_containers_cpu_quota(tmp_path):
+    from jobs.simulate import usable_cores
+
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cores(str(tmp_path / "none")) == affinity  # no cgroup files: the affinity alone
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    for text, cores in [("max 100000\n", affinity), ("150000 100000\n", min(affinity, 2)),
+                        ("50000 100000\n", 1), ("garbage\n", affinity)]:
+        (v2 / "cpu.max").write_text(text)
+        assert usable_cores(str(v2)) == cores, text
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    for quota, cores in [("-1", affinity), ("100000", 1), ("250000", min(affinity, 3))]:
+        (v1 / "cpu.cfs_quota_us").write_text(quota + "\n")
+        assert usable_cores(str(tmp_path / "v1")) == cores, quota
+
+
 def test_bench_simulation_counts_the_calls_each_schedule_makes():
     """`jobs.bench.simulation`'s per-call figures rest on its counts: sync sends every sample of its N
     groups once a step (nothing is filtered here); APRIL sends more (resumes), and one span ends per event;
