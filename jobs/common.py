@@ -1,9 +1,11 @@
-"""Shared start-up for jobs: environment defaults, config from the command line, the policy directory."""
+"""Shared start-up for jobs: environment defaults, config from the command line, the policy directory, the
+cores a job may use."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -112,3 +114,55 @@ def write_result(path: str | None, result: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)
+
+
+def usable_cores(cgroup: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """The cores this process may use: those it may run on (its affinity, where the system has one), fewer
+    under a CPU quota (`cpu_quota`, rounded up)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        cores = os.cpu_count() or 1
+    quota = cpu_quota(Path(cgroup), Path(proc_cgroup))
+    return cores if quota is None else min(cores, max(1, math.ceil(quota)))
+
+
+def cpu_quota(root: Path, proc_cgroup: Path) -> float | None:
+    """Cores' worth of CPU time the process's cgroup allows (a container's `--cpus`, a systemd unit's
+    `CPUQuota=`): the lowest quota on its path from its own cgroup up to the hierarchy's root, in cgroup v2
+    (`cpu.max`) or v1's `cpu` controller (`cpu.cfs_quota_us` over `cpu.cfs_period_us`); None without one.
+    A cgroup path the mount does not show (a container that sees only its own cgroup, at the root) is
+    read at the root."""
+    try:
+        entries = [line.split(":", 2) for line in proc_cgroup.read_text().splitlines() if line.count(":") >= 2]
+    except OSError:
+        entries = []
+    places = [(root, "/", True), (root / "cpu", "/", False)]
+    for _, controllers, path in entries:
+        if controllers == "":
+            places.append((root, path, True))
+        elif "cpu" in controllers.split(","):
+            places.append((root / "cpu", path, False))
+    quotas = []
+    for mount, path, v2 in places:
+        d = mount / path.strip("/")
+        while True:
+            quotas.append(_quota_in(d, v2))
+            if d == mount:
+                break
+            d = d.parent
+    quotas = [q for q in quotas if q is not None]
+    return min(quotas) if quotas else None
+
+
+def _quota_in(d: Path, v2: bool) -> float | None:
+    try:
+        if v2:
+            quota, period = (d / "cpu.max").read_text().split()[:2]
+        else:
+            quota, period = ((d / f).read_text().strip() for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+        if quota in ("max", "-1"):
+            return None
+        return int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):  # none there, or not a quota
+        return None

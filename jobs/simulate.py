@@ -21,7 +21,7 @@ over-provisioned baseline returns the N that finish first, the shortest). Every 
 virtual loop, so `--workers N` runs N of them side by side in as many processes, the largest first: the
 same results (but for the measured control-plane CPU, which passes on the virtual clock) in about the
 time of the longest schedule, given N free cores. The default, `auto`, is one process per core this
-process may use (its CPU affinity, or a container's CPU quota if lower; at most one per schedule;
+process may use (its CPU affinity, or its cgroup's CPU quota if lower; at most one per schedule;
 `--workers 1`: all in this process). `cpu_s` in the JSON
 counts every process's CPU, `wall_s` the command's wall-clock time; the last line printed gives both.
 
@@ -40,12 +40,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import resource
 import time
 from pathlib import Path
 
-from jobs.common import write_result
+from jobs.common import usable_cores, write_result
 from april_ray.config import ConfigError, add_config_args, load_config, to_yaml
 from april_ray.sim import study
 from april_ray.sim.config import SimulateConfig, load_simulate_config
@@ -122,28 +121,6 @@ def number_list(parser, flag: str, text: str, kind, ok, rule: str) -> list:
     return values
 
 
-def usable_cores(cgroup: str = "/sys/fs/cgroup") -> int:
-    """The cores this process may use: those it may run on (its affinity, where the system has one), fewer
-    under a CPU quota (a container's `--cpus`: cgroup v2's `cpu.max`, v1's `cpu/cpu.cfs_quota_us` over
-    `cpu.cfs_period_us`, rounded up)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # (not Linux)
-        cores = os.cpu_count() or 1
-    root = Path(cgroup)
-    try:
-        if (root / "cpu.max").is_file():
-            quota, period = (root / "cpu.max").read_text().split()[:2]
-        else:
-            quota = (root / "cpu/cpu.cfs_quota_us").read_text().strip()
-            period = (root / "cpu/cpu.cfs_period_us").read_text().strip()
-        if quota not in ("max", "-1"):
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):  # no quota readable: the affinity alone
-        pass
-    return cores
-
-
 def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float], workers: int | str = 1) -> dict:
     """Every GPU count's synchronous baseline, and APRIL and the over-provisioned baseline at each factor,
     each schedule on its own virtual loop: with `workers` > 1 they run side by side in that many processes
@@ -155,7 +132,10 @@ def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float
     jobs = [job for g in gpus for job in [(g, None, "sync")]
             + [(g, f, k) for f in factors for k in ("april", "oversample") if k == "april" or f > 1]]
     if workers == "auto":
-        workers = min(usable_cores(), len(jobs))
+        workers = usable_cores()
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers: expected a number of processes of at least 1 or 'auto', got {workers!r}")
+    workers = min(workers, len(jobs))  # (a process per schedule at most)
     pool = None
     if workers > 1:
         import multiprocessing
@@ -329,7 +309,7 @@ def main() -> None:
     result = {"wall_s": time.time() - t0, "cpu_s": time.process_time() - c0 + children.ru_utime + children.ru_stime,
               **result}
     write_result(args.json, result)
-    if not (args.calibrate or args.measure_cpu):
+    if not args.calibrate:
         print(f"{result['wall_s']:.0f} s wall, {result['cpu_s']:.0f} s of CPU in {result['workers']} "
               f"process{'es' if result['workers'] > 1 else ''}", flush=True)
 

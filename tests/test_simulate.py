@@ -479,23 +479,42 @@ def test_bad_input_to_the_simulator_names_the_flag_or_the_entry(tmp_path):
 
 
 # -- the job ---------------------------------------------------------------------------------------------
-def test_usable_cores_follow_the_affinity_and_a_containers_cpu_quota(tmp_path):
-    from jobs.simulate import usable_cores
+def test_usable_cores_follow_the_affinity_and_the_lowest_cpu_quota_on_the_cgroups_path(tmp_path):
+    from jobs.common import usable_cores
 
     affinity = len(os.sched_getaffinity(0))
-    assert usable_cores(str(tmp_path / "none")) == affinity  # no cgroup files: the affinity alone
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/\n")
+    assert usable_cores(str(tmp_path / "none"), str(proc)) == affinity  # nothing readable: the affinity alone
+    assert usable_cores(str(tmp_path / "none"), str(tmp_path / "no-proc-file")) == affinity
     v2 = tmp_path / "v2"
     v2.mkdir()
     for text, cores in [("max 100000\n", affinity), ("150000 100000\n", min(affinity, 2)),
-                        ("50000 100000\n", 1), ("garbage\n", affinity)]:
-        (v2 / "cpu.max").write_text(text)
-        assert usable_cores(str(v2)) == cores, text
+                        ("50000 100000\n", 1), ("garbage\n", affinity), ("100000 0\n", affinity)]:
+        (v2 / "cpu.max").write_text(text)  # a container's own cgroup, seen at the root
+        assert usable_cores(str(v2), str(proc)) == cores, text
+    # v2, a unit's cgroup below the root: its own quota and its parents' count, the lowest wins
+    (v2 / "cpu.max").unlink()
+    unit = v2 / "system.slice" / "job.service"
+    unit.mkdir(parents=True)
+    proc.write_text("0::/system.slice/job.service\n")
+    (unit / "cpu.max").write_text("max 100000\n")
+    assert usable_cores(str(v2), str(proc)) == affinity
+    (unit.parent / "cpu.max").write_text("100000 100000\n")
+    assert usable_cores(str(v2), str(proc)) == 1
+    # v1: the cpu controller's hierarchy, the path from /proc/self/cgroup, or the root when not there
     v1 = tmp_path / "v1" / "cpu"
-    v1.mkdir(parents=True)
-    (v1 / "cpu.cfs_period_us").write_text("100000\n")
-    for quota, cores in [("-1", affinity), ("100000", 1), ("250000", min(affinity, 3))]:
-        (v1 / "cpu.cfs_quota_us").write_text(quota + "\n")
-        assert usable_cores(str(tmp_path / "v1")) == cores, quota
+    (v1 / "batch").mkdir(parents=True)
+    for d in (v1, v1 / "batch"):
+        (d / "cpu.cfs_period_us").write_text("100000\n")
+        (d / "cpu.cfs_quota_us").write_text("-1\n")
+    proc.write_text("4:memory:/batch\n3:cpu,cpuacct:/batch\n")
+    for where, quota, cores in [(v1 / "batch", "250000", min(affinity, 3)), (v1, "100000", 1)]:
+        (where / "cpu.cfs_quota_us").write_text(quota + "\n")
+        assert usable_cores(str(tmp_path / "v1"), str(proc)) == cores, (where, quota)
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    proc.write_text("3:cpu,cpuacct:/docker/0123abcd\n")  # a container's host path, not under its mount
+    assert usable_cores(str(tmp_path / "v1"), str(proc)) == affinity
 
 
 def test_bench_simulation_counts_the_calls_each_schedule_makes():
@@ -560,18 +579,33 @@ def test_jobs_simulate_writes_the_promised_keys(tmp_path):
         assert row["lost_groups"] == row["duplicated_samples"] == row["samples_with_wrong_length"] == 0
         assert math.isfinite(row["step_s"]) and row["step_s"] > 0
     assert result["assumptions"]["accelerator"]["bandwidth"] == 3.35e12
-    # by default side by side, a process per usable core (at most one per schedule: 8 here): the same
-    # schedules (the control plane's measured CPU, which passes on the virtual clock, moves the figures by a hair)
-    both = tmp_path / "both.json"
-    subprocess.run([*cmd[:cmd.index("--json") + 1], str(both), *cmd[cmd.index("--plot") + 2:]],
-                   check=True, capture_output=True, text=True, timeout=300)
-    side = json.loads(both.read_text())
-    assert side["workers"] == min(8, len(os.sched_getaffinity(0))) and len(side["results"]) == len(result["results"]) == 4
-    for a, b in zip(result["results"], side["results"]):
+    # side by side in two processes, and by default in a process per usable core (at most one per schedule:
+    # 8 here): the same schedules (the control plane's measured CPU, which passes on the virtual clock, moves
+    # the figures by a hair)
+    from jobs.common import usable_cores
+
+    sides = []
+    for workers, expected in [(["--workers", "2"], 2), ([], min(8, usable_cores()))]:
+        both = tmp_path / f"side{expected}.json"
+        subprocess.run([*cmd[:cmd.index("--json") + 1], str(both), *cmd[cmd.index("--plot") + 2:], *workers],
+                       check=True, capture_output=True, text=True, timeout=300)
+        sides.append(json.loads(both.read_text()))
+        assert sides[-1]["workers"] == expected and len(sides[-1]["results"]) == len(result["results"]) == 4
+    for a, b in ((a, b) for side in sides for a, b in zip(result["results"], side["results"])):
         assert (a["gpus"], a["factor"], a["rollout_batch_size"]) == (b["gpus"], b["factor"], b["rollout_batch_size"])
         assert a["off_policy_token_ratio"] == pytest.approx(b["off_policy_token_ratio"], abs=0.02)
         for key in ("sync_utilization", "april_utilization", "speedup"):  # ~0.1% apart on a quiet machine
             assert a[key] == pytest.approx(b[key], rel=0.03), key
+    # no more processes than schedules (here 2: sync, and APRIL at N'/N = 1), and a bad count named
+    from jobs.simulate import simulate_gpus
+    from april_ray.config import load_config
+    from april_ray.sim.config import load_simulate_config
+
+    small = load_config(str(ROOT / "configs/qwen3_4b_dapo.yaml"), ["sampling.max_response_len=2048"])
+    sim = load_simulate_config(["simulate.steps=1", "simulate.warmup_steps=0", "simulate.length_median=300"])
+    assert simulate_gpus(small, sim, [8], [1.0], workers=4)["workers"] == 2
+    with pytest.raises(ValueError, match="workers: expected a number of processes of at least 1 or 'auto', got 0"):
+        simulate_gpus(small, sim, [8], [1.0], workers=0)
 
 
 @pytest.mark.slow
