@@ -130,19 +130,23 @@ def usable_cores(cgroup: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/
 def cpu_quota(root: Path, proc_cgroup: Path) -> float | None:
     """Cores' worth of CPU time the process's cgroup allows (a container's `--cpus`, a systemd unit's
     `CPUQuota=`): the lowest quota on its path from its own cgroup up to the hierarchy's root, in cgroup v2
-    (`cpu.max`) or v1's `cpu` controller (`cpu.cfs_quota_us` over `cpu.cfs_period_us`); None without one.
-    A cgroup path the mount does not show (a container that sees only its own cgroup, at the root) is
-    read at the root."""
+    (`cpu.max`) or v1's `cpu` controller (`cpu.cfs_quota_us` over `cpu.cfs_period_us`, mounted at `cpu` or
+    `cpu,cpuacct`); None without one. A cgroup path the mount does not show (a container that sees only its
+    own cgroup, at the root; a path outside a cgroup namespace, with `..`) is read at the root. Nothing here
+    raises: what cannot be read counts as no quota."""
     try:
         entries = [line.split(":", 2) for line in proc_cgroup.read_text().splitlines() if line.count(":") >= 2]
-    except OSError:
+    except (OSError, ValueError):  # (a cgroup name that is not UTF-8)
         entries = []
-    places = [(root, "/", True), (root / "cpu", "/", False)]
+    v1 = [root / "cpu", root / "cpu,cpuacct"]
+    places = [(root, "/", True)] + [(m, "/", False) for m in v1]
     for _, controllers, path in entries:
+        if ".." in path.split("/"):
+            continue
         if controllers == "":
             places.append((root, path, True))
         elif "cpu" in controllers.split(","):
-            places.append((root / "cpu", path, False))
+            places += [(m, path, False) for m in v1]
     quotas = []
     for mount, path, v2 in places:
         d = mount / path.strip("/")
@@ -164,5 +168,5 @@ def _quota_in(d: Path, v2: bool) -> float | None:
         if quota in ("max", "-1"):
             return None
         return int(quota) / int(period)
-    except (OSError, ValueError, ZeroDivisionError):  # none there, or not a quota
+    except (OSError, ValueError, ArithmeticError):  # none there, or not a quota
         return None

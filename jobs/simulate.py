@@ -18,12 +18,12 @@ utilization and speedup, counts the response tokens the learner trains: those of
 less those its staleness mask drops (`masked_token_ratio`; staleness.policy mask or restart); the
 `sample_speedup`s compare samples per rollout second instead (every schedule returns N groups a step; the
 over-provisioned baseline returns the N that finish first, the shortest). Every schedule runs on its own
-virtual loop, so `--workers N` runs N of them side by side in as many processes, the largest first: the
-same results (but for the measured control-plane CPU, which passes on the virtual clock) in about the
-time of the longest schedule, given N free cores. The default, `auto`, is one process per core this
-process may use (its CPU affinity, or its cgroup's CPU quota if lower; at most one per schedule;
-`--workers 1`: all in this process). `cpu_s` in the JSON
-counts every process's CPU, `wall_s` the command's wall-clock time; the last line printed gives both.
+virtual loop, so `--workers N` runs them side by side in N processes (at most one per schedule), the
+largest first: the same results (but for the measured control-plane CPU, which passes on the virtual
+clock) in about the time of the longest schedule, given N free cores. The default, `auto`, is one process
+per core this process may use (its CPU affinity, or its cgroup's CPU quota if lower); `--workers 1` runs
+all in this process. `cpu_s` in the JSON counts every process's CPU, `wall_s` the command's wall-clock
+time; the last line printed gives both.
 
 `--measure-cpu` runs `jobs.bench.schedule` once (`--record-steps` rounds, default 24) for the CPU
 engine's step costs, times a grid of uniform batches, and records the tiny model's response lengths.
@@ -124,17 +124,17 @@ def number_list(parser, flag: str, text: str, kind, ok, rule: str) -> list:
 def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float], workers: int | str = 1) -> dict:
     """Every GPU count's synchronous baseline, and APRIL and the over-provisioned baseline at each factor,
     each schedule on its own virtual loop: with `workers` > 1 they run side by side in that many processes
-    (largest first), and each schedule's CPU figures are its own process's; `auto`: one per usable core, at
-    most one per schedule. The result's `workers` is the number of processes that ran them."""
+    (`auto`: one per usable core; at most one per schedule either way; largest first), and each schedule's
+    CPU figures are its own process's. The result's `workers` is the number of processes that ran them."""
+    if workers == "auto":
+        workers = usable_cores()
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"workers: expected a number of processes of at least 1 or 'auto', got {workers!r}")
     # every engine is alike, whatever their number
     ceiling = study.ceiling_of(study.gpu_setting(cfg, sim, gpus[0]), cfg.rollout.n_samples_per_prompt)
     # at N'/N = 1 the over-provisioned baseline is the synchronous one: not simulated twice
     jobs = [job for g in gpus for job in [(g, None, "sync")]
             + [(g, f, k) for f in factors for k in ("april", "oversample") if k == "april" or f > 1]]
-    if workers == "auto":
-        workers = usable_cores()
-    if not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers: expected a number of processes of at least 1 or 'auto', got {workers!r}")
     workers = min(workers, len(jobs))  # (a process per schedule at most)
     pool = None
     if workers > 1:

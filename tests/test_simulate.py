@@ -515,6 +515,16 @@ def test_usable_cores_follow_the_affinity_and_the_lowest_cpu_quota_on_the_cgroup
     (v1 / "cpu.cfs_quota_us").write_text("-1\n")
     proc.write_text("3:cpu,cpuacct:/docker/0123abcd\n")  # a container's host path, not under its mount
     assert usable_cores(str(tmp_path / "v1"), str(proc)) == affinity
+    (tmp_path / "cpu.max").write_text("100000 100000\n")  # outside the mount: never read
+    (tmp_path / "cpu.cfs_quota_us").write_text("100000\n")
+    (tmp_path / "cpu.cfs_period_us").write_text("100000\n")
+    mount = tmp_path / "m" / "n"
+    (mount / "cpu").mkdir(parents=True)
+    for text in ("0::/../..\n", "3:cpu:/../../..\n"):
+        proc.write_text(text)
+        assert usable_cores(str(mount), str(proc)) == affinity
+    proc.write_bytes(b"0::/\xff\xfe\n")  # not UTF-8: no quota read, no error
+    assert usable_cores(str(v2), str(proc)) == affinity
 
 
 def test_bench_simulation_counts_the_calls_each_schedule_makes():
