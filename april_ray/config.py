@@ -364,6 +364,9 @@ def _check_across(cfg: Config) -> None:
                           "colocated layouts use tensor")
     if cfg.learner.backend == "torch" and cfg.learner.num_ranks != 1:
         raise ConfigError("learner.num_ranks: the torch backend trains on one rank; use learner.backend=deepspeed")
+    if cfg.learner.num_ranks > cfg.rollout.rollout_batch_size:
+        raise ConfigError(f"learner.num_ranks: each rank trains on whole groups; needs learner.num_ranks <= "
+                          f"rollout.rollout_batch_size ({cfg.learner.num_ranks} > {cfg.rollout.rollout_batch_size})")
     if cfg.placement.colocate and cfg.learner.num_ranks > cfg.engine.num_engines:
         raise ConfigError("learner.num_ranks: colocation puts each rank in an engine's bundle; "
                           "needs learner.num_ranks <= engine.num_engines")

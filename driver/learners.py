@@ -76,7 +76,8 @@ class LearnerGroup:
         world = len(self.actors)
         shards = [[ref for g in groups[r::world] for ref in g] for r in range(world)]
         results = ray.get([a.train.remote(shard, version) for a, shard in zip(self.actors, shards)])
-        return {k: sum(r[k] for r in results) / world for k in results[0]}
+        return {k: max(r[k] for r in results) if k.endswith("_max") else sum(r[k] for r in results)
+                / (1 if k == "train/num_samples" else world) for k in results[0]}
 
     def weights_ref(self):
         return weights_in_object_store(self.actors)

@@ -105,7 +105,7 @@ def test_decoupled_ppo_by_hand_clip_higher_acts_and_behaviour_enters_as_a_trunca
     assert neg.loss.item() == pytest.approx((math.exp(0.3) * 2.0 + 0.8 * math.exp(-0.5)) / 2, rel=1e-6)
 
 
-def test_gspo_sequence_clip_acts_on_the_decoupled_ratio_with_behaviour_weights():
+def test_gspo_sequence_clip_acts_on_the_ratio_to_pi_old_and_behaviour_weights_stay_outside_it():
     logp = torch.tensor([[0.002, 0.0]], requires_grad=True)
     old = torch.zeros(1, 2)
     mask = torch.ones(1, 2)
@@ -115,7 +115,17 @@ def test_gspo_sequence_clip_acts_on_the_decoupled_ratio_with_behaviour_weights()
     assert out.loss.item() == pytest.approx(-(1 + 4e-4)) and out.metrics["loss/clip_fraction"] == 1.0
     out.loss.backward()
     assert torch.count_nonzero(logp.grad) == 0
-    # a behaviour weight of e^-0.002 on the first token brings the sequence ratio back to 1: not clipped
+    # a behaviour weight does not move the ratio back into the clip range: it scales the clipped loss
     w2 = torch.tensor([[math.exp(-0.002), 1.0]])
-    inside = algo.sequence_policy_loss(logp, old, torch.tensor([1.0]), mask, w2, 3e-4, 4e-4)
-    assert inside.loss.item() == pytest.approx(-1.0) and inside.metrics["loss/clip_fraction"] == 0.0
+    scaled = algo.sequence_policy_loss(logp, old, torch.tensor([1.0]), mask, w2, 3e-4, 4e-4)
+    assert scaled.loss.item() == pytest.approx(-(1 + 4e-4) * math.exp(-0.001))
+    assert scaled.metrics["loss/clip_fraction"] == 1.0
+    # a stale sequence (pi = pi_old, sampled by an older policy: weights e^-0.2 a token) with a negative
+    # advantage keeps its gradient, the weight's geometric mean times the unclipped one (folded into the
+    # ratio, e^-0.2 < 1 - 3e-4 would have clipped it away)
+    stale = torch.zeros(1, 2, requires_grad=True)
+    w3 = torch.full((1, 2), math.exp(-0.2))
+    neg = algo.sequence_policy_loss(stale, old, torch.tensor([-1.0]), mask, w3, 3e-4, 4e-4)
+    assert neg.loss.item() == pytest.approx(math.exp(-0.2)) and neg.metrics["loss/clip_fraction"] == 0.0
+    neg.loss.backward()
+    torch.testing.assert_close(stale.grad, torch.full((1, 2), math.exp(-0.2) / 2))

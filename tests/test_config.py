@@ -38,3 +38,13 @@ def test_missing_file_and_malformed_override():
         load_config("/no/such.yaml")
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["engine.max_num_seqs"])
+
+
+def test_more_learner_ranks_than_groups_in_a_batch_is_refused():
+    """Every rank trains on whole groups: a rank without one would have nothing to train on, and the ranks'
+    collective steps would go out of step."""
+    with pytest.raises(ConfigError, match=r"learner\.num_ranks: each rank trains on whole groups"):
+        load_config(None, ["learner.backend=deepspeed", "learner.num_ranks=4", "rollout.rollout_batch_size=2",
+                           "rollout.over_sampling_batch_size=4"])
+    assert load_config(None, ["learner.backend=deepspeed", "learner.num_ranks=2", "rollout.rollout_batch_size=2",
+                              "rollout.over_sampling_batch_size=4"]).learner.num_ranks == 2

@@ -163,9 +163,9 @@ def test_two_minibatches_take_two_steps_against_the_proximal_policy(random_model
     loss = learner._loss
 
     def recording_loss(*args):
-        out, metrics = loss(*args)
+        policy, kl, metrics = loss(*args)
         learner_metrics.append(metrics["loss/ratio_mean"])
-        return out, metrics
+        return policy, kl, metrics
 
     learner._loss, learner.optim.step = recording_loss, step
     m = learner.train_step(samples, version=0)
@@ -190,3 +190,27 @@ def test_proximal_logprobs_match_the_engines_when_the_weights_are_the_same(rando
                       1.0, 32)
     for s, lp in zip(samples, learner.proximal_logprobs(samples)):
         torch.testing.assert_close(lp, torch.tensor(s.logprobs), rtol=0, atol=1e-5)
+
+
+def test_off_policy_metrics_count_every_response_token_however_the_batch_is_cut(random_model_dir):
+    """A micro-batch whose tokens are all masked as stale weighs 0 in the loss, but its tokens still count
+    in the masked and off-policy ratios, and the staleness maximum is a maximum, not a mean."""
+    from april_ray.types import FinishReason, SampleState
+
+    def sample(i, n, version):
+        return Sample(f"g{i // 2}s{i % 2}", f"g{i // 2}", "p", "a", [5, 6, 7], 64, response_ids=[9] * n,
+                      logprobs=[-1.0] * n, versions=[version] * n, state=SampleState.FINISHED,
+                      finish_reason=FinishReason.STOP, reward=float(i % 2))
+
+    # fresh short samples (version 3) and stale long ones (version 0, older than mask_older_than=1)
+    samples = [sample(0, 4, 3), sample(1, 4, 3), sample(2, 40, 0), sample(3, 40, 0)]
+    metrics = {}
+    for tokens, spread in ((1024, 100.0), (96, 2.0)):  # one micro-batch, then the fresh and the stale ones apart
+        cfg = LearnerConfig(backend="torch", micro_batch_tokens=tokens, max_spread=spread)
+        learner = Learner(str(random_model_dir), cfg, AlgorithmConfig(), 1.0, 64, mask_older_than=1)
+        assert len(learner.micro_batches(samples)[0]) == (1 if tokens == 1024 else 2)
+        metrics[tokens] = learner.train_step(samples, version=3)
+    for m in metrics.values():
+        assert m["off_policy/masked_token_ratio"] == pytest.approx(80 / 88)
+        assert m["off_policy/token_ratio"] == pytest.approx(80 / 88)
+        assert m["off_policy/staleness_max"] == 3

@@ -94,12 +94,15 @@ def token_policy_loss(logp, old_logp, adv, mask, weights, clip_low: float, clip_
 def sequence_policy_loss(logp, old_logp, adv, mask, weights, clip_low: float, clip_high: float) -> LossOutput:
     """GSPO: one length-normalised importance ratio per sequence, clipped at the sequence level.
 
-    s_i = exp(mean_t(logp - old_logp)); the per-token form s_i * pi / sg(pi) carries the same value with
-    the gradient spread over the tokens (GSPO-token). Off-policy weights enter through the log-ratio mean.
+    s_i = exp(mean_t(logp - old_logp)), its gradient spread over the tokens. The behaviour policy enters as
+    in the token losses, only as a weight outside the clip: the sequence's geometric mean of its truncated
+    token weights, w_i = exp(mean_t log w_t). (Inside s_i, the staleness of a partial rollout would move the
+    ratio out of GSPO's narrow clip range, ~3e-4, before any update: no gradient for a stale sequence with
+    a negative advantage.)
     """
-    log_ratio = masked_mean((logp - old_logp) + torch.log(weights.clamp(min=1e-8)), mask, dim=1)
-    s = torch.exp(log_ratio)
-    loss_seq = -torch.minimum(s * adv, torch.clamp(s, 1 - clip_low, 1 + clip_high) * adv)
+    s = torch.exp(masked_mean(logp - old_logp, mask, dim=1))
+    w = torch.exp(masked_mean(torch.log(weights.clamp(min=1e-8)), mask, dim=1))
+    loss_seq = -torch.minimum(s * adv, torch.clamp(s, 1 - clip_low, 1 + clip_high) * adv) * w
     valid = mask.sum(1) > 0
     metrics = _clip_metrics(s[:, None], adv[:, None], valid[:, None].float(), clip_low, clip_high)
     return LossOutput(loss_seq[valid].mean(), metrics)

@@ -10,8 +10,10 @@
   rollouts) enters only as the truncated importance weight min(pi_old / pi_behaviour, tis_cap).
 Each mini-batch runs as length-sorted micro-batches under a padded-token budget whose longest row is at most
 `learner.max_spread` times its shortest; each micro-batch's loss is weighted by its share of the
-mini-batch's loss units (tokens or sequences, per the aggregation), so the gradient does not depend on how
-the mini-batch is cut.
+mini-batch's loss units (tokens or sequences, per the aggregation) summed over every data-parallel rank, so
+the gradient depends neither on how the mini-batch is cut nor on how the batch is split between ranks: the
+ranks' averaged gradient is the whole batch's (DAPO's token mean weighs every token of the batch the same,
+whichever rank holds it). Every rank takes as many mini-batches.
 
 The optimiser backend is chosen once, when the learner is built (`optim.py`): DeepSpeed ZeRO (gloo on
 CPU, NCCL/RCCL on GPU) or plain torch AdamW on one rank.
@@ -83,6 +85,10 @@ def advantages_for(samples: list[Sample], algo_cfg: AlgorithmConfig, max_respons
     return adv
 
 
+_PER_RESPONSE_TOKEN = ("off_policy/", "train/behaviour_logp_gap")
+"""Metrics over every response token of a micro-batch, kept or masked (the others: over the kept ones)."""
+
+
 def policy_loss(logp, old_logp, adv, mask, weights, a: AlgorithmConfig) -> algo.LossOutput:
     if a.name == "gspo":
         return algo.sequence_policy_loss(logp, old_logp, adv, mask, weights, a.clip_low, a.clip_high)
@@ -135,14 +141,19 @@ class Learner:
         order = list(range(len(samples)))
         if self.cfg.num_minibatches > 1:
             self.rng.shuffle(order)
-        k = min(self.cfg.num_minibatches, len(samples))
+        if not samples:
+            raise ValueError(f"learner rank {self.rank}: no samples to train on (a batch of fewer groups than "
+                             f"learner.num_ranks)")
+        # the optimiser steps are collective: every rank takes as many, at most one per sample of the
+        # rank with the fewest
+        k = int(self.optim.over_ranks([min(self.cfg.num_minibatches, len(samples))], "min")[0])
         minibatches = [order[i::k] for i in range(k)]
         old = self.proximal_logprobs(samples) if k > 1 else None
         sums: dict[str, float] = {}
         for idx in minibatches:
             part_old = [old[i] for i in idx] if old is not None else None
             for key, v in self._optimiser_step([samples[i] for i in idx], adv[idx], part_old, version).items():
-                sums[key] = sums.get(key, 0.0) + v / k
+                sums[key] = max(sums.get(key, v), v) if key.endswith("_max") else sums.get(key, 0.0) + v / k
         rewards = [s.reward for s in samples]
         total_tokens = sum(len(s.response_ids) for s in samples)
         return sums | {"train/reward_mean": sum(rewards) / len(rewards), "train/num_minibatches": k,
@@ -169,56 +180,70 @@ class Learner:
         return out
 
     def _optimiser_step(self, samples, adv, old, version) -> dict[str, float]:
-        """One optimiser step on a mini-batch, accumulated over its micro-batches."""
+        """One optimiser step on a mini-batch, accumulated over its micro-batches.
+
+        A micro-batch's loss is its mean over its loss units times its share of the units of the whole
+        mini-batch, every rank's together, times the number of ranks whose gradients are averaged: the
+        average is then the gradient of the mini-batch's loss however it is split. Its metrics are weighted
+        by its share of this rank's part (the driver averages the ranks')."""
         chunks, num_own = self.micro_batches(samples)
         batches = []
         for idx in chunks:
             part = [samples[i] for i in idx]
             batch = collate(part, self.pad_id, [old[i] for i in idx] if old is not None else None)
             batches.append(({key: t.to(self.device) for key, t in batch.items()}, adv[idx].to(self.device)))
-        units = [self._loss_units(b, version) if j < num_own else (0.0, 0.0) for j, (b, _) in enumerate(batches)]
-        total = [max(1.0, sum(u[j] for u in units)) for j in range(2)]
+        units = [self._loss_units(b, version) if j < num_own else (0.0, 0.0, 0.0) for j, (b, _) in enumerate(batches)]
+        own = [sum(u[i] for u in units) for i in range(3)]
+        total = [max(1.0, t) for t in self.optim.over_ranks(own[:2], "sum")]
+        scale = self.optim.ranks_averaged
         sums: dict[str, float] = {}
-        for k, ((batch, a), (policy_units, tokens)) in enumerate(zip(batches, units)):
-            shares = (policy_units / total[0], tokens / total[1])
-            loss, stats = self._loss(batch, a, version, shares)
+        for k, ((batch, a), unit) in enumerate(zip(batches, units)):
+            policy, kl, stats = self._loss(batch, a, version)
+            # a micro-batch with no kept sequence has a NaN sequence mean; its share of the loss is 0
+            loss = policy * (scale * unit[0] / total[0]) if unit[0] > 0 else (policy.nan_to_num() * 0)
+            if kl is not None:
+                loss = loss + self.algo.kl_coef * kl * (scale * unit[1] / total[1])
             self.optim.backward(loss, is_last=k == len(batches) - 1)
-            for key, v in stats.items():  # metrics weighted like the loss they come from
-                sums[key] = sums.get(key, 0.0) + v * shares[1]
+            shares = [u / max(1.0, t) for u, t in zip(unit, own)]
+            for key, v in stats.items():
+                if key.endswith("_max"):
+                    sums[key] = max(sums.get(key, v), v)
+                    continue
+                share = shares[2] if key.startswith(_PER_RESPONSE_TOKEN) else shares[0] if key == "loss/policy" else shares[1]
+                if share > 0:
+                    sums[key] = sums.get(key, 0.0) + v * share
         grad_norm = self.optim.step()
         return sums | {"train/grad_norm": grad_norm, "train/num_micro_batches": num_own}
 
-    def _loss_units(self, batch, version) -> tuple[float, float]:
-        """(policy-loss units, kept tokens) of a micro-batch: the policy loss averages over tokens
-        (token_mean) or over sequences with a kept token (seq_mean_token_mean, GSPO)."""
+    def _loss_units(self, batch, version) -> tuple[float, float, float]:
+        """(policy-loss units, kept tokens, response tokens) of a micro-batch: the policy loss averages over
+        tokens (token_mean) or over sequences with a kept token (seq_mean_token_mean, GSPO)."""
         _, keep, _ = algo.off_policy_weights(batch["behaviour_logp"], batch["behaviour_logp"], batch["versions"],
                                              version, batch["mask"], self.algo.tis_cap, self.mask_older_than)
         tokens = float(keep.sum())
         by_token = self.algo.name != "gspo" and self.algo.loss_aggregation == "token_mean"
-        return (tokens if by_token else float((keep.sum(1) > 0).sum())), tokens
+        return (tokens if by_token else float((keep.sum(1) > 0).sum())), tokens, float(batch["mask"].sum())
 
-    def _loss(self, batch, adv, version, shares: tuple[float, float]):
-        """This micro-batch's part of the mini-batch loss: policy loss and KL, each times its share."""
+    def _loss(self, batch, adv, version):
+        """This micro-batch's policy loss (its mean over its loss units), its KL to the reference (None
+        without one; a mean over kept tokens) and its metrics, each over the micro-batch."""
         logp = token_logprobs(self.model, batch["input_ids"], self.temperature)
         old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()
         weights, keep, metrics = algo.off_policy_weights(
             old_logp, batch["behaviour_logp"], batch["versions"], version, batch["mask"],
             self.algo.tis_cap, self.mask_older_than)
         out = policy_loss(logp, old_logp, adv, keep, weights, self.algo)
-        # a micro-batch with no kept sequence has a NaN sequence mean; its share of the loss is 0
-        loss = out.loss * shares[0] if shares[0] > 0 else (logp * 0).sum()
         metrics |= out.metrics
+        kl = None
         if self.ref is not None:
             with torch.no_grad():
                 ref_logp = token_logprobs(self.ref, batch["input_ids"], self.temperature)
             kl = algo.kl_k3(logp, ref_logp, keep)
-            loss = loss + self.algo.kl_coef * kl * shares[1]
             metrics["loss/kl"] = float(kl)
-        # metrics are summed weighted by token share: scaled so that the sum is the mini-batch's policy loss
-        metrics["loss/policy"] = float(out.loss.detach()) * shares[0] / max(shares[1], 1e-12) if shares[0] > 0 else 0.0
+        metrics["loss/policy"] = float(out.loss.detach())
         metrics["train/behaviour_logp_gap"] = float(algo.masked_mean((old_logp - batch["behaviour_logp"]).abs(),
                                                                      batch["mask"]))
-        return loss, metrics
+        return out.loss, kl, metrics
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU weights for the engines (under ZeRO-3, every rank must call this: it gathers)."""

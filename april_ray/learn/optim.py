@@ -28,8 +28,14 @@ class TorchOptim:
     def backward(self, loss: torch.Tensor, is_last: bool) -> None:
         loss.backward()
 
+    ranks_averaged = 1
+    """How many ranks' gradients `step` averages (one rank: its own)."""
+
+    def over_ranks(self, values: list[float], op: str) -> list[float]:
+        """One rank: its own values."""
+        return list(values)
+
     def most_of_any_rank(self, n: int) -> int:
-        """One rank: its own count."""
         return n
 
     def step(self) -> float:
@@ -75,15 +81,28 @@ class DeepSpeedOptim:
     def steps(self) -> int:
         return self.model.global_steps
 
+    @property
+    def ranks_averaged(self) -> int:
+        """DeepSpeed averages the ranks' gradients (their sum over the data-parallel world size): a loss
+        normalised over the whole batch is scaled by this on each rank for the average to be its gradient."""
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+
+    def over_ranks(self, values: list[float], op: str) -> list[float]:
+        """`values` reduced element-wise over the data-parallel ranks: op "sum", "max" or "min" (every rank
+        must call it, with as many values)."""
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.model.device)
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        return t.tolist()
+
     def most_of_any_rank(self, n: int) -> int:
         """The largest `n` over the data-parallel ranks. ZeRO-2/3 communicate in every micro-batch's
         forward or backward (gradient reduce-scatter, parameter gathers), so every rank must run as many
         micro-batches as the rank with the most."""
-        import torch.distributed as dist
-
-        t = torch.tensor([n], dtype=torch.long, device=self.model.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+        return int(self.over_ranks([n], "max")[0])
 
     def backward(self, loss: torch.Tensor, is_last: bool) -> None:
         self.model.set_gradient_accumulation_boundary(is_last)
