@@ -42,9 +42,10 @@ class LearnerActor:
         return ray.put(weights) if self.learner.rank == 0 else None
 
     def broadcast_weights(self, urls: list[str], version: int, flush_cache: bool, bucket_mb: float,
-                          backend: str) -> None:
+                          backend: str, tp_size: int = 1) -> None:
         """Disaggregated servers: every rank gathers (ZeRO-3 partitions need all of them); rank 0
-        broadcasts into every server through a group of its own, connected on the first call."""
+        broadcasts into every server (and each of its `tp_size` tensor-parallel ranks) through a group of
+        its own, connected on the first call."""
         from april_ray.engine.sglang_client import SGLangEngine
         from april_ray.engine.weight_sync import BroadcastSender
 
@@ -56,7 +57,7 @@ class LearnerActor:
                 if sender is not None:
                     asyncio.run(sender.close())
                 self.sender = BroadcastSender([SGLangEngine(u) for u in urls], _master_address(urls), backend,
-                                              bucket_mb, group_name=f"april-weights-{uuid.uuid4().hex[:8]}")
+                                              bucket_mb, tp_size, group_name=f"april-weights-{uuid.uuid4().hex[:8]}")
             asyncio.run(self.sender.send(named, version, flush_cache))
 
     def hand_over_weights(self, urls: list[str], version: int, flush_cache: bool, bucket_mb: float) -> None:

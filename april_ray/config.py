@@ -356,6 +356,9 @@ def _check_across(cfg: Config) -> None:
     if e.backend == "sglang" and e.server == "sglang" and p.engine_gpus != e.tp_size:
         raise ConfigError(f"placement.engine_gpus: an SGLang server runs on engine.tp_size={e.tp_size} GPUs, "
                           f"got {p.engine_gpus}")
+    if e.backend == "sglang" and e.tp_size > 1 and e.weight_sync in ("tensor", "object_store"):
+        raise ConfigError(f"engine.weight_sync: {e.weight_sync} hands one payload to a server of one tensor-parallel "
+                          f"rank; servers of engine.tp_size={e.tp_size} take broadcast or disk")
     if e.weight_sync == "tensor" and not (p.colocate and cfg.learner.num_ranks == e.num_engines):
         raise ConfigError("engine.weight_sync: tensor hands weights to the server on the rank's own device; "
                           "needs placement.colocate=true and learner.num_ranks == engine.num_engines")

@@ -34,8 +34,9 @@ class Evaluator:
             if not up:
                 break
             todo = [i for i in shards if i not in rewards]
+            # the shard in the tag: a retry puts several shards on one engine, and request ids must differ
             refs = [self.engines.actors[up[k % len(up)]].evaluate.remote(shards[i], temperature,
-                                                                          f"eval{self.calls}.{attempt}")
+                                                                          f"eval{self.calls}.{attempt}.{i}")
                     for k, i in enumerate(todo)]
             rewards |= {i: r for i, r in zip(todo, settle(refs)) if not isinstance(r, Exception)}
             if len(rewards) == n:

@@ -122,10 +122,13 @@ class BroadcastSync(ObjectStoreSync):
     def __init__(self, learners: list, engines, cfg, model_path: str):
         super().__init__(learners, engines, cfg, model_path)
         self.backend = "gloo" if cfg.engine.server == "cpu" else "nccl"
+        self.tp_size = cfg.engine.tp_size
+        """Each server's tensor-parallel ranks join the group (ranks 1 + i x tp_size ...)."""
 
     def publish(self, version: int) -> None:
         urls = self.engines.urls()
-        ray.get([a.broadcast_weights.remote(urls, version, self.flush_cache, self.bucket_mb, self.backend)
+        ray.get([a.broadcast_weights.remote(urls, version, self.flush_cache, self.bucket_mb, self.backend,
+                                            self.tp_size)
                  for a in self.learners])
         self.engines.publish(None, version)
 

@@ -293,11 +293,21 @@ def test_tensor_payload_with_anything_but_tensors_is_refused(weights_server):
     payload = base64.b64encode(pickle.dumps([("model.norm.weight", Evil())])).decode()
 
     async def main(c):
+        with pytest.raises(BadRequestError, match="must run between begin_weight_update"):  # as SGLang
+            await c.update_weights_from_tensor([payload], flush_cache=False)
+        await c.begin_weight_update()
+        with pytest.raises(BadRequestError, match="already open"):
+            await c.begin_weight_update()
         with pytest.raises(BadRequestError, match="not allowed"):
             await c.update_weights_from_tensor([payload], flush_cache=False)
+        await c.end_weight_update()
         with pytest.raises(BadRequestError, match="not a parameter"):
             await weight_sync.send_tensors(c, [("nope", torch.zeros(2))], 99, flush_cache=False, bucket_mb=1)
-        await c.continue_generation()  # send_tensors paused it before the server refused
+        # the refused update closed its session and let generation go on: the server is not left paused
+        await c.begin_weight_update()
+        await c.end_weight_update()
+        out = await asyncio.wait_for(c.generate(GenerateRequest("after", [3, 4, 5], greedy(2))), 30)
+        assert len(out.token_ids) == 2
     run(main, weights_server)
 
 
@@ -315,3 +325,14 @@ def test_a_server_that_dies_is_reported_with_its_log_tail(random_model_dir, tmp_
         return str(died.value)
     msg = run(main, srv)
     assert srv.url in msg and "april-ray engine server on" in msg  # the log tail: the line it printed at start
+
+
+def test_stop_rule_is_sglangs_the_request_s_ids_and_the_models_eos_unless_ignore_eos():
+    """SGLang stops at the request's stop ids and the model's EOS ids, and `ignore_eos` turns off both
+    (its `_check_token_based_finish` returns before either): the client sends it only for a request
+    without stop ids, which runs to its budget as in our engine."""
+    from april_ray.engine.http_server import parse_sampling
+
+    assert parse_sampling({"stop_token_ids": [7]}, (2,)).stop_token_ids == (7, 2)
+    assert parse_sampling({"stop_token_ids": [7], "ignore_eos": True}, (2,)).stop_token_ids == ()
+    assert parse_sampling({}, (2,)).stop_token_ids == (2,)

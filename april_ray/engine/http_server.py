@@ -50,9 +50,9 @@ def parse_sampling(sp: dict, eos_ids: tuple[int, ...]) -> SamplingParams:
                              f"(supported: {sorted(SAMPLING_KEYS | set(NEUTRAL))})")
         if key in NEUTRAL and NEUTRAL[key] is not None and value not in (None, NEUTRAL[key]):
             raise BadRequest(f"sampling_params.{key}={value!r} is not supported (only {NEUTRAL[key]!r})")
+    # as SGLang: stop at the request's stop ids and the model's EOS ids; ignore_eos turns off both
     stop = tuple(int(t) for t in sp.get("stop_token_ids") or ())
-    if not sp.get("ignore_eos"):
-        stop += tuple(t for t in eos_ids if t not in stop)
+    stop = () if sp.get("ignore_eos") else stop + tuple(t for t in eos_ids if t not in stop)
     top_k = sp.get("top_k")
     return SamplingParams(temperature=float(_default(sp, "temperature", 1.0)), top_p=float(_default(sp, "top_p", 1.0)),
                           top_k=-1 if top_k is None or top_k >= 1 << 30 else int(top_k),

@@ -10,6 +10,8 @@
   weight_version}: tensors handed over by handle (shared memory on CPU, CUDA IPC on GPU).
 - `/update_weights_from_disk` {model_path, abort_all_requests, weight_version, flush_cache}: safetensors files.
 - `/update_weight_version` {new_version, abort_all_requests}.
+- `/begin_weight_update` {selector}, `/end_weight_update`: a weight-update session. As in SGLang, distributed
+  and tensor updates are refused outside one (disk updates are not), and a session is opened only once.
 
 Blocking work (the rendezvous, the broadcast) runs in a thread, so the server keeps answering (aborts,
 health) meanwhile; loading into the model runs on the event loop, between engine steps.
@@ -30,12 +32,15 @@ class WeightRoutes:
 
     def __init__(self):
         self.groups: dict = {}
+        self.session: str | None = None
+        """The open weight-update session's selector (None: no session)."""
 
     def weight_routes(self) -> dict:
         handlers = {
             "/init_weights_update_group": self.init_group, "/destroy_weights_update_group": self.destroy_group,
             "/update_weights_from_distributed": self.from_distributed, "/update_weights_from_tensor": self.from_tensor,
             "/update_weights_from_disk": self.from_disk, "/update_weight_version": self.update_version,
+            "/begin_weight_update": self.begin_update, "/end_weight_update": self.end_update,
         }
         return {path: _reply(fn) for path, fn in handlers.items()}
 
@@ -60,7 +65,27 @@ class WeightRoutes:
         weight_sync.destroy_group(self.groups.pop(name)[0])
         return "Succeeded to destroy custom process group."
 
+    async def begin_update(self, body: dict) -> str:
+        selector = body.get("selector") or "all"
+        if selector not in ("target", "all"):
+            raise ValueError(f"selector={selector!r} is not supported (this server has no draft model)")
+        if self.session is not None:
+            raise ValueError("a weight-update session is already open; call end_weight_update() first")
+        self.session = selector
+        return "Success"
+
+    async def end_update(self, body: dict) -> str:
+        if self.session is None:
+            raise ValueError("no weight-update session is open; call begin_weight_update() first")
+        self.session = None
+        return "Success"
+
+    def _in_session(self, what: str) -> None:
+        if self.session is None:
+            raise ValueError(f"{what} must run between begin_weight_update() and end_weight_update()")
+
     async def from_distributed(self, body: dict) -> str:
+        self._in_session("update_weights_from_distributed")
         name = body.get("group_name") or weight_sync.DEFAULT_GROUP
         if name not in self.groups:
             raise ValueError(f"group {name!r} does not exist: call /init_weights_update_group first")
@@ -74,6 +99,7 @@ class WeightRoutes:
         return f"Succeeded to update {len(named)} parameters online."
 
     async def from_tensor(self, body: dict) -> str:
+        self._in_session("update_weights_from_tensor")
         payloads = body["serialized_named_tensors"]
         if body.get("load_format") not in (None, "direct"):
             raise ValueError(f"load_format={body['load_format']!r} is not supported (only the default)")

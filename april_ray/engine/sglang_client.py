@@ -6,8 +6,9 @@ in-actor engine.
   to the context as our engine does, and maps the reply back: `output_ids`, the logprobs of
   `output_token_logprobs`, per-token versions from `weight_versions` spans (or `weight_version` for
   servers that report only that), and `finish_reason.type` stop | length | abort. An aborted request
-  returns its partial tokens. The request goes out with `ignore_eos` and explicit `stop_token_ids`,
-  so the stop rule is exactly the request's, as in our engine.
+  returns its partial tokens. A request with `stop_token_ids` (the job's: the tokenizer's EOS) stops at
+  them and, as SGLang always does, at the model's own EOS ids; one without any runs to its budget, as in
+  our engine: it goes out with `ignore_eos`, which in SGLang turns off every token stop.
 - `abort` / `abort_all` are immediate for the caller and finish in the background: `abort_all` posts
   SGLang's `abort_all`, then re-aborts, by rid, those of its requests still in flight (a request can
   reach the server after the abort did) until none is left, a bounded number of times. By rid, so a
@@ -124,7 +125,7 @@ class SGLangEngine:
         body = {"rid": rid, "input_ids": ids, "return_logprob": True, "logprob_start_len": -1,
                 "sampling_params": {"max_new_tokens": max(budget, 1), "temperature": sp.temperature,
                                     "top_p": sp.top_p, "top_k": sp.top_k, "stop_token_ids": list(sp.stop_token_ids),
-                                    "ignore_eos": True, "no_stop_trim": True, "skip_special_tokens": False}}
+                                    "ignore_eos": not sp.stop_token_ids, "no_stop_trim": True, "skip_special_tokens": False}}
         self._track(request.request_id, rid)
         try:
             reply = await self.request("POST", "/generate", body)
@@ -227,6 +228,13 @@ class SGLangEngine:
 
     async def continue_generation(self) -> None:
         await self.request("POST", "/continue_generation", {})
+
+    async def begin_weight_update(self) -> None:
+        """Open a weight-update session: SGLang loads tensor and distributed updates only inside one."""
+        await self.request("POST", "/begin_weight_update", {"selector": "all"})
+
+    async def end_weight_update(self) -> None:
+        await self.request("POST", "/end_weight_update", {})
 
     async def flush_cache(self) -> bool:
         """False when the server refuses (requests are pending)."""

@@ -52,8 +52,16 @@ class ServerOptions:
 
 
 def reachable_host(host: str) -> str:
-    """The address clients use for a server bound to `host` (a wildcard bind is reached at this node's IP)."""
-    return socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "::", "") else host
+    """The address clients use for a server bound to `host`: a wildcard bind is reached at this node's IP
+    as Ray knows it (what other nodes reach it at); outside Ray, the one its hostname resolves to (which
+    /etc/hosts may map to loopback)."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    import ray
+
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return socket.gethostbyname(socket.gethostname())
 
 
 def free_port(host: str = "127.0.0.1") -> int:

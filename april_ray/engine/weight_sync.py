@@ -240,17 +240,16 @@ class BroadcastSender:
         if self.pg is None:
             await self.connect()
         device = comm_device(self.backend, "cuda")
-        await asyncio.gather(*[c.pause_generation("in_place") for c in self.clients])
-        parts = buckets(named, self.bucket_bytes)
-        for i, bucket in enumerate(parts):
-            meta = bucket_meta(bucket)
-            last = version if i == len(parts) - 1 else None
-            posts = asyncio.gather(*[c.update_weights_from_distributed(meta.names, meta.dtypes, meta.shapes,
-                                                                       self.group_name, flush_cache, last)
-                                     for c in self.clients])
-            await asyncio.to_thread(broadcast_bucket, self.pg, bucket, device)
-            await posts
-        await asyncio.gather(*[c.continue_generation() for c in self.clients])
+        async with weight_update(self.clients):
+            parts = buckets(named, self.bucket_bytes)
+            for i, bucket in enumerate(parts):
+                meta = bucket_meta(bucket)
+                last = version if i == len(parts) - 1 else None
+                posts = asyncio.gather(*[c.update_weights_from_distributed(meta.names, meta.dtypes, meta.shapes,
+                                                                           self.group_name, flush_cache, last)
+                                         for c in self.clients])
+                await asyncio.to_thread(broadcast_bucket, self.pg, bucket, device)
+                await posts
         await asyncio.gather(*[c.close() for c in self.clients])  # this event loop's sessions
 
     async def close(self) -> None:
@@ -267,14 +266,34 @@ async def send_tensors(client, named: list[tuple[str, torch.Tensor]], version: i
                        bucket_mb: float, tp_size: int = 1) -> None:
     """Colocated: hand this learner's tensors to the server on its own GPU (or CPU), bucket by bucket;
     each bucket's tensors stay referenced until the server has loaded them."""
-    await client.pause_generation("in_place")
-    parts = buckets(named, int(bucket_mb * (1 << 20)))
-    for i, bucket in enumerate(parts):
-        payload, keep = serialize_named_tensors(bucket)
-        await client.update_weights_from_tensor([payload] * tp_size, flush_cache,
-                                                version if i == len(parts) - 1 else None)
-        del keep
-    await client.continue_generation()
+    async with weight_update([client]):
+        parts = buckets(named, int(bucket_mb * (1 << 20)))
+        for i, bucket in enumerate(parts):
+            payload, keep = serialize_named_tensors(bucket)
+            await client.update_weights_from_tensor([payload] * tp_size, flush_cache,
+                                                    version if i == len(parts) - 1 else None)
+            del keep
+
+
+@contextlib.asynccontextmanager
+async def weight_update(clients):
+    """The servers paused in place (no request samples from half-updated weights) and inside a
+    weight-update session (SGLang refuses tensor and distributed updates outside one) for the body. The
+    session is closed and generation continued whatever happens: a server left paused holds every later
+    request. An error in the body goes on up; one in closing, only when the body succeeded."""
+    await asyncio.gather(*[c.pause_generation("in_place") for c in clients])
+    try:
+        await asyncio.gather(*[c.begin_weight_update() for c in clients])
+        try:
+            yield
+        except BaseException:
+            await asyncio.gather(*[c.end_weight_update() for c in clients], return_exceptions=True)
+            raise
+        await asyncio.gather(*[c.end_weight_update() for c in clients])
+    except BaseException:
+        await asyncio.gather(*[c.continue_generation() for c in clients], return_exceptions=True)
+        raise
+    await asyncio.gather(*[c.continue_generation() for c in clients])
 
 
 def save_for_disk_update(named: list[tuple[str, torch.Tensor]], out_dir: str, base_model_dir: str) -> None:
