@@ -105,7 +105,7 @@ class Tracker:
             os.environ.setdefault("WANDB_SILENT", "true")
             self.run = wandb.init(project=cfg.logging.project, mode=cfg.logging.wandb_mode, dir=str(out_dir),
                                   config=asdict(cfg), id=wandb_run_id(out_dir, resume), resume="allow")
-        self.file = open(out_dir / "metrics.jsonl", "a")
+        self.file = open(out_dir / "metrics.jsonl", "a" if resume else "w")  # a fresh run's rows only
         self.bar = progress(total_steps, initial_step)
         self.shown: dict[str, float] = {}
 

@@ -10,8 +10,12 @@ counters, all taken at the same moment between two steps, so a restart neither s
 waiting in the store nor repeats any (the cursor alone has already moved past the prompts of the
 partial groups).
 
-`find_checkpoint` takes the newest complete checkpoint and says which incomplete ones (a crash
-mid-write, a `latest` pointing at a missing directory) it passed over. A checkpoint of the older
+`find_checkpoint` takes the newest complete checkpoint of this run and says which incomplete ones (a
+crash mid-write, a `latest` pointing at a missing directory) and which of other runs it passed over. A run
+is a lineage: a fresh job (`train.resume=false`) starts a new one in `train.output_dir` (`start_run`:
+its id in the file `run`, and in every checkpoint's manifest), and a resume goes on with it, so a resume
+never picks up the checkpoint of an earlier, unrelated run left in the same directory (checkpoints
+written before run ids, without one, are taken by any run). A checkpoint of the older
 pickle format (`state.pkl`) is refused, never unpickled: loading a pickle runs code from the file.
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 import ray
@@ -33,6 +38,20 @@ _NAME = re.compile(r"ckpt-(\d+)$")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the file (and the field)."""
+
+
+RUN_FILE = "run"
+
+
+def start_run(out_dir: Path, resume: bool) -> str:
+    """This job's run id: a resume's is the one in `out_dir/run`; a fresh job (or a resume with none
+    there) writes a new one."""
+    f = out_dir / RUN_FILE
+    if resume and f.is_file() and f.read_text().strip():
+        return f.read_text().strip()
+    run = uuid.uuid4().hex[:16]
+    _write(f, run)
+    return run
 
 
 def save_checkpoint(out_dir: Path, step: int, version: int, learners, rollout) -> Path:
@@ -58,8 +77,9 @@ def write_checkpoint(out_dir: Path, state: dict, save_policy) -> Path:
     save_policy(str(tmp))
     _write(tmp / STATE_FILE, json.dumps(state))
     files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+    run = (out_dir / RUN_FILE).read_text().strip() if (out_dir / RUN_FILE).is_file() else None
     _write(tmp / MANIFEST, json.dumps({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "step": state["step"],
-                                       "files": files}, indent=1))
+                                       "run": run, "files": files}, indent=1))
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
     _write(out_dir / "latest.tmp", path.name)
@@ -98,9 +118,10 @@ def incomplete_reason(path: Path) -> str | None:
     return None if STATE_FILE in files else f"{STATE_FILE} not in {MANIFEST}"
 
 
-def find_checkpoint(out_dir: Path, log=print) -> Path | None:
-    """The newest complete checkpoint in `out_dir` (None if there is none); every incomplete one newer
-    than it, and a `latest` pointer that disagrees, are reported through `log`."""
+def find_checkpoint(out_dir: Path, log=print, run: str | None = None) -> Path | None:
+    """The newest complete checkpoint in `out_dir` of run `run` (any run's if None; one without a run id
+    is any run's), None if there is none; every incomplete one newer than it, every one of another run,
+    and a `latest` pointer that disagrees, are reported through `log`."""
     pointer = out_dir / "latest"
     named = out_dir / pointer.read_text().strip() if pointer.is_file() else None
     candidates = [p for p in out_dir.glob("*ckpt-*") if _NAME.search(p.name)]
@@ -109,6 +130,10 @@ def find_checkpoint(out_dir: Path, log=print) -> Path | None:
     candidates.sort(key=lambda p: (_step(p), not p.name.startswith(".tmp")), reverse=True)
     for path in candidates:
         reason = "not finished (a save was interrupted)" if path.name.startswith(".tmp") else incomplete_reason(path)
+        other = _run_of(path) if reason is None and run is not None else None
+        if other is not None and other != run:
+            log(f"checkpoint: {path} belongs to an earlier run ({other}, not this run's {run}); skipping it")
+            continue
         if reason is None:
             if named is not None and named != path:
                 log(f"checkpoint: {pointer} names {named.name}, but {path.name} is the newest complete one; "
@@ -118,6 +143,11 @@ def find_checkpoint(out_dir: Path, log=print) -> Path | None:
     if candidates:
         log(f"checkpoint: no complete checkpoint in {out_dir}; starting from step 0")
     return None
+
+
+def _run_of(path: Path) -> str | None:
+    """The run id in a complete checkpoint's manifest (None: written before run ids)."""
+    return json.loads((path / MANIFEST).read_text()).get("run")
 
 
 def _step(path: Path) -> int:

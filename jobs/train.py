@@ -22,7 +22,7 @@ from jobs.common import init_ray, parse, write_result
 from actors.metrics import DriverMetrics
 from april_ray.config import to_yaml
 from april_ray.tracking import Tracker, truncate_step_logs
-from driver.checkpoint import find_checkpoint, restore_checkpoint, save_checkpoint
+from driver.checkpoint import find_checkpoint, restore_checkpoint, save_checkpoint, start_run
 from driver.engines import EngineGroup
 from driver.evaluator import Evaluator
 from driver.learners import LearnerGroup, stop_if_a_rank_dies
@@ -36,7 +36,8 @@ def train(cfg) -> dict:
     out = Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
-    ckpt = find_checkpoint(out) if cfg.train.resume else None  # the newest complete one; says what it skips
+    run = start_run(out, cfg.train.resume)  # a fresh job starts a new run: a resume never takes an older one's
+    ckpt = find_checkpoint(out, run=run) if cfg.train.resume else None  # the newest complete; says what it skips
     job = prepare(cfg)  # model, data and placement plan, once
     if not ray.is_initialized():
         init_ray(job.layout, cfg.logging)

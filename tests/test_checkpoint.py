@@ -16,7 +16,7 @@ import pytest
 from april_ray.rollout.store import PartialRolloutStore
 from april_ray.tracking import truncate_step_logs, wandb_run_id
 from driver.checkpoint import (CheckpointError, find_checkpoint, incomplete_reason, read_state, rollout_state,
-                               write_checkpoint)
+                               start_run, write_checkpoint)
 from tests.fakes import make_rollout_parts
 from tests.test_rollout import cfg, check_invariants, run_steps
 
@@ -161,6 +161,32 @@ def test_incomplete_checkpoints_fall_back_to_the_last_complete_one_and_say_so(tm
         (path / "manifest.json").unlink(missing_ok=True)
     said.clear()
     assert find_checkpoint(tmp_path, said.append) is None and "no complete checkpoint" in said[-1]
+
+
+def test_a_resume_takes_only_its_own_runs_checkpoints_never_an_earlier_runs(tmp_path):
+    """A fresh job in a directory an earlier run left checkpoints in starts a run of its own; resumed, it
+    goes on from its own newest checkpoint, or from step 0 when it has none yet, never from the earlier
+    run's (newer-numbered) ones."""
+    c = cfg(max_staleness=100)
+    monitor, _, source, store, engines = make_rollout_parts(c, seed=3)
+    asyncio.run(run_steps(monitor, source, store, engines, c, 1))
+    old_run = start_run(tmp_path, resume=False)
+    old = checkpoint_of(tmp_path, 199, source, store, monitor)
+    assert start_run(tmp_path, resume=True) == old_run and find_checkpoint(tmp_path, print, old_run) == old
+
+    new_run = start_run(tmp_path, resume=False)  # a fresh job in the same directory
+    assert new_run != old_run and start_run(tmp_path, resume=True) == new_run
+    said = []
+    assert find_checkpoint(tmp_path, said.append, new_run) is None  # killed before its first save
+    assert f"ckpt-000199 belongs to an earlier run ({old_run}" in said[0]
+    mine = checkpoint_of(tmp_path, 19, source, store, monitor)
+    said.clear()
+    assert find_checkpoint(tmp_path, said.append, new_run) == mine
+    assert "ckpt-000199 belongs to an earlier run" in said[0]
+    legacy = json.loads((old / "manifest.json").read_text())
+    legacy.pop("run")  # written before run ids: any run's
+    (old / "manifest.json").write_text(json.dumps(legacy))
+    assert find_checkpoint(tmp_path, print, new_run) == old
 
 
 class Payload:

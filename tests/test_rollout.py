@@ -511,3 +511,23 @@ def test_a_resent_sample_is_a_copy_and_sampling_parameters_per_budget_are_shared
     assert (sampling_for(sp, 6).max_new_tokens, sampling_for(sp, 6).temperature, sp.max_new_tokens) == (6, 0.5, 8)
     greedy = dataclasses.replace(sp, temperature=0.0)
     assert sampling_for(greedy, 6).temperature == 0.0 and sampling_for(sp, 6).temperature == 0.5
+
+
+def test_a_failed_step_keeps_no_handle_of_the_groups_it_dropped():
+    """A failing step stores every group; the filter's drops leave the run, and the handles of their
+    finished samples (each pins its call's result) go with them, as after a step that succeeds."""
+    from april_ray.rollout.monitor import StepFailed
+
+    c = cfg(max_staleness=100)
+    monitor, _, source, store, engines = make_rollout_parts(c, seed=3, cap=6)
+
+    async def main():
+        for step in range(3):
+            await monitor.step(step, step)
+        monitor.cfg.dynamic_filter, monitor.cfg.max_filtered_groups = True, 2  # parity rewards: all dropped
+        with pytest.raises(StepFailed, match="dynamic filter dropped"):
+            await monitor.step(3, 3)
+
+    asyncio.run(main())
+    in_store = {s.sample_id for g in [*store.partial.values(), *store.complete] for s in g.samples}
+    assert set(monitor.finished_handles) <= in_store

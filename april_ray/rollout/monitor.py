@@ -291,11 +291,7 @@ class CompletionMonitor:
                     "rollout/discarded_tokens": sum(m.response_len for g in discarded for m in s.flights[g].metas if m)}
         if s.sample_seconds:
             self.token_rate = s.generated_tokens / s.sample_seconds
-        for gid in (*batch, *s.dropped, *discarded):
-            for m in s.flights[gid].metas:
-                if m is not None:
-                    self.finished_handles.pop(m.sample_id, None)
-                    self.finished_metas.pop(m.sample_id, None)
+        self._forget((*batch, *s.dropped, *discarded), s)
         return StepResult(s.step, [list(s.flights[g].handles) for g in batch], metas, metrics, staleness, batch,
                           dict(s.dropped), [list(s.flights[g].handles) for g in s.dropped], discarded)
 
@@ -333,7 +329,17 @@ class CompletionMonitor:
             await self._interrupt(s)
         await self._stash(s, s.completed)
         self.num_dropped_groups += len(s.dropped)
+        self._forget(s.dropped, s)
         raise StepFailed(message)
+
+    def _forget(self, group_ids, s: StepState) -> None:
+        """The finished samples of groups that left the run (returned, dropped, discarded) no longer come
+        back from the store: their handles (each pins its call's result) and metas go."""
+        for gid in group_ids:
+            for m in s.flights[gid].metas:
+                if m is not None:
+                    self.finished_handles.pop(m.sample_id, None)
+                    self.finished_metas.pop(m.sample_id, None)
 
     async def _stash(self, s: StepState, complete: list[str], with_partial: bool = True) -> list[str]:
         """Store complete groups not returned, and every unfinished group (unless not `with_partial`);

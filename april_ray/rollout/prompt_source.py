@@ -69,7 +69,9 @@ class PromptSource:
         if values["num_examples"] != len(self.examples) or values["seed"] != self.seed:
             raise ValueError(f"{where}: the checkpoint was taken on a dataset of {values['num_examples']} rows with "
                              f"seed {values['seed']}; this job has {len(self.examples)} rows and seed {self.seed} "
-                             f"(task.train_path, task.seed)")
+                             f"(the rows are task.train_path's that fit engine.max_model_len less "
+                             f"sampling.max_response_len, per task.overlong_prompts; the seed comes from task.seed "
+                             f"and train.seed)")
         if values["position"] > len(self.examples):
             raise ValueError(f"{where}.position: {values['position']} is past the dataset's {len(self.examples)} rows")
         self.epoch, self.position = values["epoch"], values["position"]
