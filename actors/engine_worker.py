@@ -10,6 +10,8 @@ elsewhere) until an `update_weights` brings it to the current policy version.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import uuid
 import warnings
@@ -27,6 +29,8 @@ from april_ray.rollout.monitor import EngineFailure
 class EngineWorkerActor:
     def __init__(self, engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig,
                  task: TaskConfig, model_path: str, version: int = 0, index: int = 0):
+        # a sampling stream of its own: with one seed, every engine drew the same random numbers
+        engine_cfg = dataclasses.replace(engine_cfg, seed=engine_cfg.seed + index)
         self.worker = build_worker(engine_cfg, sampling_cfg, staleness, task, model_path, version)
         self.metrics = EngineMetrics(index, engine_cfg.max_num_seqs)
         self.metrics.set_version(version)

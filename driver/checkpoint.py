@@ -80,8 +80,12 @@ def write_checkpoint(out_dir: Path, state: dict, save_policy) -> Path:
     run = (out_dir / RUN_FILE).read_text().strip() if (out_dir / RUN_FILE).is_file() else None
     _write(tmp / MANIFEST, json.dumps({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "step": state["step"],
                                        "run": run, "files": files}, indent=1))
-    shutil.rmtree(path, ignore_errors=True)
+    old = out_dir / f".old-{path.name}"
+    if path.exists():  # a redone step's: moved aside, not deleted, until the new one is in place
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
     tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)  # (or the one a kill left there)
     _write(out_dir / "latest.tmp", path.name)
     (out_dir / "latest.tmp").replace(out_dir / "latest")
     return path
@@ -127,7 +131,10 @@ def find_checkpoint(out_dir: Path, log=print, run: str | None = None) -> Path | 
     candidates = [p for p in out_dir.glob("*ckpt-*") if _NAME.search(p.name)]
     if named is not None and named not in candidates:
         candidates.append(named)
-    candidates.sort(key=lambda p: (_step(p), not p.name.startswith(".tmp")), reverse=True)
+    # of one step: the checkpoint, then the copy a redo of the step moved aside (a kill before the new one
+    # took its place leaves only that one complete), then an unfinished save
+    candidates.sort(key=lambda p: (_step(p), not p.name.startswith("."), not p.name.startswith(".tmp")),
+                    reverse=True)
     for path in candidates:
         reason = "not finished (a save was interrupted)" if path.name.startswith(".tmp") else incomplete_reason(path)
         other = _run_of(path) if reason is None and run is not None else None

@@ -251,3 +251,31 @@ def test_the_watchdog_ends_a_sigkilled_drivers_processes():
     for p in alive:
         p.kill()
     assert gone and not alive
+
+
+def test_a_redone_steps_checkpoint_replaces_the_old_one_without_a_moment_with_neither(tmp_path, monkeypatch):
+    """Saving a step's checkpoint again (a resumed run redoing it) moves the old one aside before the new
+    one takes its place: a kill in between leaves the old one, which a resume finds."""
+    import driver.checkpoint as ck
+
+    c = cfg(max_staleness=100)
+    monitor, _, source, store, engines = make_rollout_parts(c, seed=3)
+    asyncio.run(run_steps(monitor, source, store, engines, c, 1))
+    first = checkpoint_of(tmp_path, 9, source, store, monitor)
+    renames = []
+    real_rename = Path.rename
+
+    def killed_after_moving_aside(self, target):
+        renames.append(Path(target).name)
+        if Path(target).name == first.name:  # the new one's rename: the kill comes first
+            raise KeyboardInterrupt
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", killed_after_moving_aside)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint_of(tmp_path, 9, source, store, monitor)
+    monkeypatch.undo()
+    assert renames == [f".old-{first.name}", first.name] and not first.exists()
+    found = find_checkpoint(tmp_path, lambda _: None)
+    assert found == tmp_path / f".old-{first.name}" and read_state(found)["step"] == 9
+    assert checkpoint_of(tmp_path, 9, source, store, monitor) == first and not found.exists()
