@@ -367,10 +367,6 @@ def _check_across(cfg: Config) -> None:
                           "colocated layouts use tensor")
     if cfg.learner.backend == "torch" and cfg.learner.num_ranks != 1:
         raise ConfigError("learner.num_ranks: the torch backend trains on one rank; use learner.backend=deepspeed")
-    if cfg.algorithm.overlong_buffer >= cfg.sampling.max_response_len:
-        raise ConfigError(f"algorithm.overlong_buffer: the penalty ramps over the last overlong_buffer tokens of "
-                          f"sampling.max_response_len; needs < {cfg.sampling.max_response_len}, got "
-                          f"{cfg.algorithm.overlong_buffer}")
     if cfg.learner.num_ranks > cfg.rollout.rollout_batch_size:
         raise ConfigError(f"learner.num_ranks: each rank trains on whole groups; needs learner.num_ranks <= "
                           f"rollout.rollout_batch_size ({cfg.learner.num_ranks} > {cfg.rollout.rollout_batch_size})")

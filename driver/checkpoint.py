@@ -44,12 +44,22 @@ RUN_FILE = "run"
 
 
 def start_run(out_dir: Path, resume: bool) -> str:
-    """This job's run id: a resume's is the one in `out_dir/run`; a fresh job (or a resume with none
-    there) writes a new one."""
+    """This job's run id. A resume's is the one in `out_dir/run` (with none there: that of the checkpoint
+    `latest` names, or else of the newest complete one, so checkpoints copied into a new directory are
+    still resumed from). A fresh job writes a new one and drops the `latest` pointer, which names an
+    earlier run's checkpoint."""
     f = out_dir / RUN_FILE
     if resume and f.is_file() and f.read_text().strip():
         return f.read_text().strip()
-    run = uuid.uuid4().hex[:16]
+    run = None
+    if resume:
+        pointer = out_dir / "latest"
+        named = out_dir / pointer.read_text().strip() if pointer.is_file() else None
+        ckpt = named if named is not None and incomplete_reason(named) is None else find_checkpoint(out_dir, lambda _: None)
+        run = _run_of(ckpt) if ckpt is not None else None
+    run = run or uuid.uuid4().hex[:16]
+    if not resume:
+        (out_dir / "latest").unlink(missing_ok=True)
     _write(f, run)
     return run
 
@@ -85,7 +95,12 @@ def write_checkpoint(out_dir: Path, state: dict, save_policy) -> Path:
         shutil.rmtree(old, ignore_errors=True)
         path.rename(old)
     tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)  # (or the one a kill left there)
+    for moved in out_dir.glob(".old-ckpt-*"):  # this one, or one a kill left: back in place, or gone if replaced
+        home = out_dir / moved.name[len(".old-"):]
+        if home.exists():
+            shutil.rmtree(moved, ignore_errors=True)
+        else:
+            moved.rename(home)
     _write(out_dir / "latest.tmp", path.name)
     (out_dir / "latest.tmp").replace(out_dir / "latest")
     return path

@@ -183,10 +183,15 @@ def test_a_resume_takes_only_its_own_runs_checkpoints_never_an_earlier_runs(tmp_
     said.clear()
     assert find_checkpoint(tmp_path, said.append, new_run) == mine
     assert "ckpt-000199 belongs to an earlier run" in said[0]
+    (tmp_path / "run").unlink()  # checkpoints copied into a new directory: the newest one's run goes on
+    assert start_run(tmp_path, resume=True) == new_run and (tmp_path / "run").read_text() == new_run
+    assert (tmp_path / "latest").is_file()
+    start_run(tmp_path, resume=False)  # a fresh job drops the pointer at the earlier run's checkpoint
+    assert not (tmp_path / "latest").exists()
     legacy = json.loads((old / "manifest.json").read_text())
     legacy.pop("run")  # written before run ids: any run's
     (old / "manifest.json").write_text(json.dumps(legacy))
-    assert find_checkpoint(tmp_path, print, new_run) == old
+    assert find_checkpoint(tmp_path, print, new_run) == old  # (the newest complete one of no run)
 
 
 class Payload:

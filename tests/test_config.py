@@ -19,7 +19,6 @@ def test_defaults_yaml_and_overrides_merge_in_order(tmp_path):
     ("task.length.family=zipf", "task.length.family"),
     ("model.num_heads=3", "model.num_heads"),
     ("engine.max_model_len=4096", "engine.max_model_len"),
-    ("algorithm.overlong_buffer=100000", "algorithm.overlong_buffer"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

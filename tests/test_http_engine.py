@@ -336,3 +336,46 @@ def test_stop_rule_is_sglangs_the_request_s_ids_and_the_models_eos_unless_ignore
     assert parse_sampling({"stop_token_ids": [7]}, (2,)).stop_token_ids == (7, 2)
     assert parse_sampling({"stop_token_ids": [7], "ignore_eos": True}, (2,)).stop_token_ids == ()
     assert parse_sampling({}, (2,)).stop_token_ids == (2,)
+
+
+def test_a_weight_update_that_fails_on_one_server_leaves_none_paused_or_in_a_session():
+    """`weight_sync.weight_update` over servers where a pause, or a begin, fails on one: every server that
+    began a session ends it, every server continues, and the error goes on up."""
+    class Server:
+        def __init__(self, fail=None):
+            self.fail, self.calls = fail, []
+
+        async def _call(self, name):
+            self.calls.append(name)
+            if name == self.fail:
+                raise RuntimeError(f"{name} refused")
+
+        async def pause_generation(self, mode):
+            await self._call("pause")
+
+        async def begin_weight_update(self):
+            await self._call("begin")
+
+        async def end_weight_update(self):
+            await self._call("end")
+
+        async def continue_generation(self):
+            await self._call("continue")
+
+    async def update(servers, body_fails=False):
+        async with weight_sync.weight_update(servers):
+            if body_fails:
+                raise ValueError("bucket refused")
+
+    for fail, expect in (("pause", ["pause", "continue"]), ("begin", ["pause", "begin", "continue"])):
+        servers = [Server(), Server(fail)]
+        with pytest.raises(RuntimeError, match=f"{fail} refused"):
+            asyncio.run(update(servers))
+        assert servers[0].calls == (["pause", "continue"] if fail == "pause" else ["pause", "begin", "end", "continue"])
+        assert servers[1].calls == expect
+    servers = [Server(), Server()]
+    with pytest.raises(ValueError, match="bucket refused"):
+        asyncio.run(update(servers, body_fails=True))
+    assert all(s.calls == ["pause", "begin", "end", "continue"] for s in servers)
+    asyncio.run(update(servers))
+    assert all(s.calls[4:] == ["pause", "begin", "end", "continue"] for s in servers)

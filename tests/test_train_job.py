@@ -68,5 +68,5 @@ def test_two_data_parallel_learner_ranks_with_deepspeed_gloo(tmp_path, random_mo
                               "learner.zero_stage=2")
     assert summary["final_version"] == 2
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    # metrics are averaged over the ranks; each rank trained on its own share of the groups
-    assert all(r["train/num_samples"] == 8 for r in rows if "train/num_samples" in r)
+    # each rank trained on its own share of the groups (8 samples): num_samples is the ranks' sum
+    assert all(r["train/num_samples"] == 16 for r in rows if "train/num_samples" in r)

@@ -278,22 +278,32 @@ async def send_tensors(client, named: list[tuple[str, torch.Tensor]], version: i
 @contextlib.asynccontextmanager
 async def weight_update(clients):
     """The servers paused in place (no request samples from half-updated weights) and inside a
-    weight-update session (SGLang refuses tensor and distributed updates outside one) for the body. The
-    session is closed and generation continued whatever happens: a server left paused holds every later
-    request. An error in the body goes on up; one in closing, only when the body succeeded."""
-    await asyncio.gather(*[c.pause_generation("in_place") for c in clients])
+    weight-update session (SGLang refuses tensor and distributed updates outside one) for the body. Every
+    server that began a session ends it, and every server is told to continue, whatever happens (a pause or
+    a begin that failed on one server, an error in the body): a server left paused holds every later
+    request, one left in a session refuses the next begin. The first error goes on up."""
+    async def on_all(call, among=clients) -> list:
+        return await asyncio.gather(*[call(c) for c in among], return_exceptions=True)
+
+    began: list = []
     try:
-        await asyncio.gather(*[c.begin_weight_update() for c in clients])
-        try:
-            yield
-        except BaseException:
-            await asyncio.gather(*[c.end_weight_update() for c in clients], return_exceptions=True)
-            raise
-        await asyncio.gather(*[c.end_weight_update() for c in clients])
+        _raise_first(await on_all(lambda c: c.pause_generation("in_place")))
+        opened = await on_all(lambda c: c.begin_weight_update())
+        began = [c for c, r in zip(clients, opened) if not isinstance(r, BaseException)]
+        _raise_first(opened)
+        yield
     except BaseException:
-        await asyncio.gather(*[c.continue_generation() for c in clients], return_exceptions=True)
+        await on_all(lambda c: c.end_weight_update(), began)
+        await on_all(lambda c: c.continue_generation())
         raise
-    await asyncio.gather(*[c.continue_generation() for c in clients])
+    _raise_first(await on_all(lambda c: c.end_weight_update(), began)
+                 + await on_all(lambda c: c.continue_generation()))
+
+
+def _raise_first(results: list) -> None:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
 
 
 def save_for_disk_update(named: list[tuple[str, torch.Tensor]], out_dir: str, base_model_dir: str) -> None:

@@ -141,12 +141,12 @@ class Learner:
         order = list(range(len(samples)))
         if self.cfg.num_minibatches > 1:
             self.rng.shuffle(order)
-        if not samples:
-            raise ValueError(f"learner rank {self.rank}: no samples to train on (a batch of fewer groups than "
-                             f"learner.num_ranks)")
         # the optimiser steps are collective: every rank takes as many, at most one per sample of the
-        # rank with the fewest
+        # rank with the fewest (every rank joins this before any fails, so none waits for a failed one)
         k = int(self.optim.over_ranks([min(self.cfg.num_minibatches, len(samples))], "min")[0])
+        if not k:
+            raise ValueError(f"learner rank {self.rank}: a rank has no samples to train on (a batch of fewer "
+                             f"groups than learner.num_ranks)")
         minibatches = [order[i::k] for i in range(k)]
         old = self.proximal_logprobs(samples) if k > 1 else None
         sums: dict[str, float] = {}
@@ -210,8 +210,8 @@ class Learner:
                     sums[key] = max(sums.get(key, v), v)
                     continue
                 share = shares[2] if key.startswith(_PER_RESPONSE_TOKEN) else shares[0] if key == "loss/policy" else shares[1]
-                if share > 0:
-                    sums[key] = sums.get(key, 0.0) + v * share
+                # every key on every rank (the driver reduces them by key), a micro-batch without units adding 0
+                sums[key] = sums.get(key, 0.0) + (v * share if share > 0 else 0.0)
         grad_norm = self.optim.step()
         return sums | {"train/grad_norm": grad_norm, "train/num_micro_batches": num_own}
 
