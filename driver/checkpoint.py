@@ -41,6 +41,18 @@ class CheckpointError(ValueError):
 
 
 RUN_FILE = "run"
+LATEST = "latest"
+
+
+def named_by_latest(out_dir: Path) -> Path | None:
+    """The checkpoint the `latest` pointer names (which may be gone or incomplete); None without one."""
+    pointer = out_dir / LATEST
+    return out_dir / pointer.read_text().strip() if pointer.is_file() else None
+
+
+def _run_file(out_dir: Path) -> str | None:
+    f = out_dir / RUN_FILE
+    return (f.read_text().strip() or None) if f.is_file() else None
 
 
 def start_run(out_dir: Path, resume: bool) -> str:
@@ -48,19 +60,17 @@ def start_run(out_dir: Path, resume: bool) -> str:
     `latest` names, or else of the newest complete one, so checkpoints copied into a new directory are
     still resumed from). A fresh job writes a new one and drops the `latest` pointer, which names an
     earlier run's checkpoint."""
-    f = out_dir / RUN_FILE
-    if resume and f.is_file() and f.read_text().strip():
-        return f.read_text().strip()
     run = None
     if resume:
-        pointer = out_dir / "latest"
-        named = out_dir / pointer.read_text().strip() if pointer.is_file() else None
+        if run := _run_file(out_dir):
+            return run
+        named = named_by_latest(out_dir)
         ckpt = named if named is not None and incomplete_reason(named) is None else find_checkpoint(out_dir, lambda _: None)
         run = _run_of(ckpt) if ckpt is not None else None
+    else:
+        (out_dir / LATEST).unlink(missing_ok=True)
     run = run or uuid.uuid4().hex[:16]
-    if not resume:
-        (out_dir / "latest").unlink(missing_ok=True)
-    _write(f, run)
+    _write(out_dir / RUN_FILE, run)
     return run
 
 
@@ -87,9 +97,8 @@ def write_checkpoint(out_dir: Path, state: dict, save_policy) -> Path:
     save_policy(str(tmp))
     _write(tmp / STATE_FILE, json.dumps(state))
     files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
-    run = (out_dir / RUN_FILE).read_text().strip() if (out_dir / RUN_FILE).is_file() else None
     _write(tmp / MANIFEST, json.dumps({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "step": state["step"],
-                                       "run": run, "files": files}, indent=1))
+                                       "run": _run_file(out_dir), "files": files}, indent=1))
     old = out_dir / f".old-{path.name}"
     if path.exists():  # a redone step's: moved aside, not deleted, until the new one is in place
         shutil.rmtree(old, ignore_errors=True)
@@ -101,8 +110,8 @@ def write_checkpoint(out_dir: Path, state: dict, save_policy) -> Path:
             shutil.rmtree(moved, ignore_errors=True)
         else:
             moved.rename(home)
-    _write(out_dir / "latest.tmp", path.name)
-    (out_dir / "latest.tmp").replace(out_dir / "latest")
+    _write(out_dir / f"{LATEST}.tmp", path.name)
+    (out_dir / f"{LATEST}.tmp").replace(out_dir / LATEST)
     return path
 
 
@@ -141,8 +150,7 @@ def find_checkpoint(out_dir: Path, log=print, run: str | None = None) -> Path | 
     """The newest complete checkpoint in `out_dir` of run `run` (any run's if None; one without a run id
     is any run's), None if there is none; every incomplete one newer than it, every one of another run,
     and a `latest` pointer that disagrees, are reported through `log`."""
-    pointer = out_dir / "latest"
-    named = out_dir / pointer.read_text().strip() if pointer.is_file() else None
+    named = named_by_latest(out_dir)
     candidates = [p for p in out_dir.glob("*ckpt-*") if _NAME.search(p.name)]
     if named is not None and named not in candidates:
         candidates.append(named)
@@ -158,7 +166,7 @@ def find_checkpoint(out_dir: Path, log=print, run: str | None = None) -> Path | 
             continue
         if reason is None:
             if named is not None and named != path:
-                log(f"checkpoint: {pointer} names {named.name}, but {path.name} is the newest complete one; "
+                log(f"checkpoint: {out_dir / LATEST} names {named.name}, but {path.name} is the newest complete one; "
                     f"resuming from {path.name}")
             return path
         log(f"checkpoint: {path} is incomplete ({reason}); skipping it for an older complete checkpoint")

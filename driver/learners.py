@@ -14,6 +14,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.learner import LearnerActor
 from april_ray.config import Config
 from april_ray.placement import actor_resources
+from driver.checkpoint import named_by_latest
 
 
 # OpenMP threads that sleep at a barrier instead of spinning: on CPU cores shared with the engines (or with
@@ -30,8 +31,7 @@ def learner_died(out: Path, step: int, error: Exception) -> LearnerDied:
     """The policy and optimiser state since the last checkpoint live only in the ranks (a surviving ZeRO
     rank holds a part of the optimiser state, and its collectives would wait for the dead one), so no
     newer consistent checkpoint can be written: the last one, with its store and cursor, is where to go on."""
-    pointer = out / "latest"
-    ckpt = out / pointer.read_text().strip() if pointer.is_file() else None
+    ckpt = named_by_latest(out)
     where = f"from {ckpt}" if ckpt else "from the start (no checkpoint yet)"
     return LearnerDied(f"step {step}: a learner rank died ({type(error).__name__}: {str(error)[:300]}). The job "
                        f"stops; `train.resume=true` goes on {where}, redoing the steps after it")
