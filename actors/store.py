@@ -14,7 +14,7 @@ from april_ray.rollout.store import PartialRolloutStore, resolve_groups
 
 
 def _fetch(groups):
-    # One batched get, not an await per ref: a step stores ~250 samples (45 ms -> 20 ms). The actor is
+    # One batched get, not an await per ref: a step stores ~250 samples. The actor is
     # synchronous for this: its calls come one at a time from the monitor anyway.
     values = iter(fetch([s for g in groups for s in g.samples]))
     return resolve_groups(groups, lambda _: next(values))

@@ -166,7 +166,7 @@ class ModelRunner:
 
         Prefilling in the decode step's pass, as SGLang's mixed batches do, shares every projection,
         norm and MLP op between the two: at this size a separate prefill pass for a few fresh prompts
-        cost half a 64-row decode step (jobs/bench_schedule profiles, BENCHMARKS.md)."""
+        costs about half a 64-row decode step."""
         b, n, dev = len(last_tokens), len(token_lists), self.device
         ids, pos = [torch.tensor(last_tokens, dtype=torch.long)], [torch.tensor(positions, dtype=torch.long)]
         if n:

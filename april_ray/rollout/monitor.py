@@ -30,13 +30,10 @@ import uuid
 from typing import Any, Awaitable, Protocol
 
 from april_ray.config import RolloutConfig
+from april_ray.engine.base import EngineFailure
 from april_ray.rollout.engine_worker import sample_meta
 from april_ray.rollout.step_state import Call, EngineLoads, Flight, StepState
 from april_ray.types import Group, SampleMeta, SampleState, StepResult, with_fields
-
-
-class EngineFailure(RuntimeError):
-    """An engine died; its in-flight samples are re-dispatched elsewhere."""
 
 
 class StepFailed(RuntimeError):
@@ -83,7 +80,7 @@ class CompletionMonitor:
         self.finished_handles: dict[str, Any] = {}
         """Sample id -> this monitor's handle of its finished result, for samples whose group went to
         the store unfinished: when the group comes back, the batch reuses the handle instead of making
-        a new object of the store's copy (on Ray, a `ray.put` per sample was a tenth of a step)."""
+        a new object of the store's copy (on Ray, a `ray.put` per sample)."""
         self.finished_metas: dict[str, SampleMeta] = {}
         """Sample id -> its meta (as of no new tokens), for the same samples: a finished sample does not
         change in the store, so its meta is not derived again from its tokens at every step its group
