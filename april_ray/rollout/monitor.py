@@ -30,10 +30,13 @@ import uuid
 from typing import Any, Awaitable, Protocol
 
 from april_ray.config import RolloutConfig
-from april_ray.engine.base import EngineFailure
 from april_ray.rollout.engine_worker import sample_meta
 from april_ray.rollout.step_state import Call, EngineLoads, Flight, StepState
 from april_ray.types import Group, SampleMeta, SampleState, StepResult, with_fields
+
+
+class EngineFailure(RuntimeError):
+    """An engine died; its in-flight samples are re-dispatched elsewhere."""
 
 
 class StepFailed(RuntimeError):
