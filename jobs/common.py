@@ -1,5 +1,5 @@
-"""Shared start-up for jobs: environment defaults, config from the command line, the policy directory, the
-cores a job may use."""
+"""Shared start-up for jobs: config from the command line, Ray (a local cluster on loopback, or the
+cluster's), the cores a job may use. The environment is set earlier, by `jobs.env`."""
 from __future__ import annotations
 
 import argparse
@@ -10,11 +10,6 @@ import os
 import sys
 from pathlib import Path
 
-# No usage stats, and one auth mode everywhere (a local ray.init turns token auth on, which `ray job submit`
-# then lacks). A local cluster's listeners are put on 127.0.0.1 by `init_ray`.
-for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
-                   "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}.items():
-    os.environ.setdefault(key, value)
 # Outside a terminal (a job's log, a pipe), Hugging Face's progress bars (weight loading and saving in the
 # engine and learner actors of a local Ray, which inherit this environment) would write carriage returns.
 if not sys.stderr.isatty():
@@ -49,13 +44,36 @@ def init_ray(layout, logging: LoggingConfig | None = None, address: str | None =
         return
     need = sum(b.get("CPU", 0) for b in layout.bundles) + 1
     dashboard = logging is not None and logging.dashboard
+    if not binds_to_loopback():
+        require_token()
     # ray.init logs the dashboard's address ("View the dashboard at ...")
-    # The node's address is what Ray's gRPC servers (GCS, raylet, every worker) and its agents bind to:
-    # left to Ray it is the machine's address, with the servers on 0.0.0.0 / :: (tests/test_listeners.py).
     ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=dashboard,
              dashboard_host="127.0.0.1", dashboard_port=(logging.dashboard_port or None) if dashboard else None,
              _node_ip_address="127.0.0.1")
     tie_to_driver()
+
+
+def binds_to_loopback() -> bool:
+    """Whether a cluster this process starts binds to loopback: Ray was imported with
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (`jobs.env`), so that 127.0.0.1 is taken as the node's address."""
+    from ray._private import ray_constants
+
+    return not ray_constants.ENABLE_RAY_CLUSTER
+
+
+def require_token() -> None:
+    """Turn on Ray's token authentication for the local cluster about to start, with a token of this job
+    only, in the environment its processes inherit (nothing written to ~/.ray). For a process that imported
+    Ray before `jobs`, whose cluster listens on every interface."""
+    import secrets
+
+    from ray._raylet import Config
+
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    Config.initialize("")  # Ray caches its settings at import; this re-reads the mode
+    print("Ray was imported before jobs (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER unset): the local cluster listens "
+          "on every interface, with Ray's token authentication on", file=sys.stderr)
 
 
 _watchdog = None

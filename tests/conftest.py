@@ -2,11 +2,19 @@ import os
 
 import pytest
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+USER_ENV = dict(os.environ)
+"""The environment pytest was started in: what a user's job would get. A test that starts a job in a
+subprocess passes this (`user_env`), not the test process's, which importing `jobs` has changed."""
+
 os.environ.setdefault("WANDB_MODE", "offline")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray started inside the test process is set up as a job sets it up (jobs/env.py), before a test imports Ray
+import jobs  # noqa: E402,F401
+
+
+@pytest.fixture
+def user_env():
+    """The user's environment for a job started in a subprocess, which starts its own local Ray."""
+    return {**USER_ENV, "RAY_ADDRESS": ""}
 
 
 @pytest.fixture(scope="session")

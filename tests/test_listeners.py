@@ -1,9 +1,9 @@
 """Every listening socket of a local training job (Ray's GCS, raylet, workers and agents, the dashboard,
 the learners' torch.distributed store, the engines' HTTP servers) is on the loopback interface, never on
-0.0.0.0 or :: (all interfaces)."""
+0.0.0.0 or :: (all interfaces). The job is started as the README says, in the user's environment (not
+the test process's); where Ray cannot bind to loopback, the local cluster requires Ray's token."""
 import ipaddress
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -52,7 +52,7 @@ def trained_steps(metrics: Path) -> int:
     ("configs/tiny_cpu.yaml", ["learner.num_ranks=2"]),  # two ranks: rank 0 hosts the rendezvous store
     ("configs/tiny_cpu_http.yaml", []),  # engine HTTP servers, and the weight broadcast group
 ])
-def test_no_listener_of_a_local_job_is_on_all_interfaces(tmp_path, random_model_dir, config, extra):
+def test_no_listener_of_a_local_job_is_on_all_interfaces(tmp_path, random_model_dir, user_env, config, extra):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "jobs.train", "--config", config, f"model.path={random_model_dir}",
            f"model.cache_dir={tmp_path}", f"train.output_dir={out}", "task.num_train=300", "task.num_eval=16",
@@ -60,7 +60,7 @@ def test_no_listener_of_a_local_job_is_on_all_interfaces(tmp_path, random_model_
            "sampling.max_response_len=24", "engine.max_model_len=64", "train.num_steps=200", "train.eval_every=1000",
            "train.save_every=1000", "logging.wandb_mode=disabled", "logging.dashboard=true", *extra]
     log = open(tmp_path / "job.log", "w")
-    job = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_ADDRESS": ""})
+    job = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=user_env)
     try:
         deadline = time.time() + 600
         while trained_steps(out / "metrics.jsonl") < 2:  # learners set up, weights published, a step done
@@ -77,6 +77,36 @@ def test_no_listener_of_a_local_job_is_on_all_interfaces(tmp_path, random_model_
         for p in alive:
             p.kill()
     names = {name for name, _, _ in found}
-    assert {"gcs_server", "raylet"} <= names and any("Learner" in n for n in names), names
+    assert {"gcs_server", "raylet", "ray::DashboardAgent"} <= names and any("Learner" in n for n in names), names
     wide = [f for f in found if not loopback(f[1])]
     assert not wide, f"listeners not on the loopback interface: {wide}"
+
+
+RAY_FIRST = """
+import json, os, subprocess, sys
+import ray  # before jobs: Ray has read its environment, and will listen on every interface
+import psutil
+from types import SimpleNamespace
+from jobs.common import init_ray
+from tests.test_listeners import listeners, loopback
+
+init_ray(SimpleNamespace(bundles=[]))
+wide = [f for f in listeners(psutil.Process()) if not loopback(f[1])]
+gcs = ray.get_runtime_context().gcs_address
+env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"} | {"RAY_AUTH_MODE": "disabled"}
+stranger = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={gcs!r})"], env=env,
+                          capture_output=True, text=True, timeout=120)
+print(json.dumps({"wide": len(wide), "mode": os.environ.get("RAY_AUTH_MODE"), "stranger_rc": stranger.returncode}))
+"""
+
+
+def test_a_local_cluster_that_cannot_bind_to_loopback_requires_a_token(tmp_path, user_env):
+    """A process that imports Ray before `jobs` (a notebook, a script of the user's) gets a cluster that
+    listens on every interface: `init_ray` turns Ray's token authentication on, and a client without the
+    job's token is refused."""
+    proc = subprocess.run([sys.executable, "-c", RAY_FIRST], cwd=ROOT, env=user_env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["wide"] > 0, "Ray bound to loopback after all: this test no longer covers the fallback"
+    assert result["mode"] == "token" and result["stranger_rc"] != 0, result
