@@ -51,8 +51,8 @@ def server(random_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def weights_server(random_model_dir, tmp_path_factory):
-    """A server of its own for the tests that change its weights."""
-    srv = start(random_model_dir, tmp_path_factory)
+    """A server of its own for the tests that change its weights (from disk: under the tests' tmp_path)."""
+    srv = start(random_model_dir, tmp_path_factory, weights_root=str(tmp_path_factory.getbasetemp()))
     yield srv
     srv.stop()
 
@@ -200,7 +200,8 @@ def test_bad_request_fails_alone_with_400(server, model):
 
     async def main(c):
         results = await asyncio.gather(c.generate(bad), *[c.generate(r) for r in good], return_exceptions=True)
-        raw = await c._http().post(f"{c.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"regex": "a"}})
+        raw = await c._http().post(f"{c.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"regex": "a"}},
+                                   headers={"Authorization": f"Bearer {server.api_key}"})
         return results, raw.status, await raw.json()
 
     results, status, body = run(main, server)

@@ -70,6 +70,14 @@ class AsyncEngine:
         if fut is not None and not fut.done():
             fut.set_result(out)
 
+    def _fail_alone(self) -> None:
+        """Requests whose sampling failed in this step fail on their own; the others go on."""
+        for rid, why in self.engine.failed.items():
+            fut = self._futures.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(ValueError(why))
+        self.engine.failed.clear()
+
     def _start(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._wake = asyncio.Event()
@@ -87,6 +95,7 @@ class AsyncEngine:
             try:
                 for out in self.engine.step():
                     self._resolve(out)
+                self._fail_alone()
             except Exception as e:  # a broken step fails every caller loudly instead of hanging them
                 for fut in self._futures.values():
                     if not fut.done():

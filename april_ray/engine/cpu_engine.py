@@ -8,7 +8,7 @@ weights that sampled it.
 
 With `num_park_slots > 0` an aborted sequence's KV cache is kept in a spare slot, and a later request
 whose input is exactly that sequence's tokens restores it instead of re-running the prefill. Whether a
-cache computed by older weights may be reused is `kv_reuse_max_staleness` (0: never; the default), see
+cache computed by older weights may be reused is `max_versions` (0: never; the default), see
 `scheduler.ParkedKV` and docs/architecture.md.
 
 Why our own engine and not transformers' `ContinuousBatchingManager`: a cancelled request there yields no
@@ -41,15 +41,18 @@ def prefill_chunks(seqs: list[Sequence], max_padded_tokens: int) -> list[list[Se
 class LLMEngine:
     def __init__(self, model, max_num_seqs: int = 256, max_model_len: int = 640,
                  max_prefill_tokens: int = 8192, seed: int = 0, version: int = 0,
-                 num_park_slots: int = 0, kv_reuse_max_staleness: int = 0):
+                 num_park_slots: int = 0, max_versions: int = 0):
         self.vocab_size = model.config.vocab_size
         self.max_model_len = max_model_len
         self.runner = ModelRunner(model, max_num_seqs + num_park_slots, max_model_len)
         self.scheduler = Scheduler(max_num_seqs, max_prefill_tokens)
-        self.parked = ParkedKV(max_num_seqs, num_park_slots, kv_reuse_max_staleness)
+        self.parked = ParkedKV(max_num_seqs, num_park_slots, max_versions=max_versions)
         self.kv_reuse = True
         self.generator = torch.Generator(self.runner.device).manual_seed(seed)
         self.released: set[str] = set()
+        self.failed: dict[str, str] = {}
+        """Requests whose sampling failed (their distribution was not finite), with why: the caller fails
+        each alone (`AsyncEngine` raises ValueError to it) and the batch goes on."""
         """Memory given back by `release_memory` ('kv_cache', 'weights') and not resumed yet."""
         self.version = version
         self.num_generated_tokens = 0
@@ -78,8 +81,9 @@ class LLMEngine:
             raise ValueError(f"request {rid}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if sp.max_new_tokens <= 0:
             raise ValueError(f"request {rid}: max_new_tokens must be > 0, got {sp.max_new_tokens}")
-        if sp.temperature < 0 or not 0 < sp.top_p <= 1:
-            raise ValueError(f"request {rid}: temperature must be >= 0 and top_p in (0, 1]")
+        if not 0 <= sp.temperature < float("inf") or not 0 < sp.top_p <= 1:
+            raise ValueError(f"request {rid}: temperature must be finite and >= 0, and top_p in (0, 1]; got "
+                             f"{sp.temperature} and {sp.top_p}")
         budget = min(sp.max_new_tokens, self.max_model_len - len(ids))
         self.scheduler.add(Sequence(request, budget))
 
@@ -233,7 +237,7 @@ class LLMEngine:
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[GenerateOutput]:
         params, dev = [s.request.sampling for s in seqs], logits.device
-        tokens, logprobs = sample(
+        tokens, logprobs, ok = sample(
             logits,
             torch.tensor([p.temperature for p in params], device=dev),
             torch.tensor([p.top_p for p in params], device=dev),
@@ -242,7 +246,13 @@ class LLMEngine:
         )
         self.num_generated_tokens += len(seqs)
         done = []
-        for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+        for seq, tok, lp, good in zip(seqs, tokens.tolist(), logprobs.tolist(), ok.tolist()):
+            if not good:
+                self._remove(seq)
+                self.failed[seq.request.request_id] = (f"request {seq.request.request_id}: sampling failed: the "
+                                                       f"distribution at temperature {seq.request.sampling.temperature} "
+                                                       "is not finite")
+                continue
             reason = seq.append(tok, lp, self.version)
             if reason is not None:
                 self._remove(seq)
@@ -263,6 +273,8 @@ class LLMEngine:
         while self.has_work():
             for out in self.step():
                 outputs[out.request_id] = out
+        if self.failed:
+            raise ValueError("; ".join(self.failed.values()))
         return [outputs[r.request_id] for r in requests]
 
     def stats(self, drain: bool = True) -> EngineStats:

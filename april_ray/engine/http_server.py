@@ -20,6 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import math
+import secrets
 import uuid
 from dataclasses import dataclass, field
 
@@ -27,7 +30,8 @@ from aiohttp import web
 
 from april_ray.engine.async_engine import AsyncEngine
 from april_ray.engine.cpu_engine import LLMEngine
-from april_ray.engine.http_weights import WeightRoutes
+from april_ray.engine.http_weights import Lease, WeightRoutes
+from april_ray.engine.sglang_client import API_KEY_PATHS
 from april_ray.types import FinishReason, GenerateRequest, SamplingParams
 
 
@@ -43,24 +47,46 @@ NEUTRAL = {"no_stop_trim": None, "skip_special_tokens": None, "spaces_between_sp
 the matched stop token, as SGLang's do with --skip-tokenizer-init whatever no_stop_trim says."""
 
 
-def parse_sampling(sp: dict, eos_ids: tuple[int, ...]) -> SamplingParams:
+GREEDY_BELOW = 1e-6
+"""A temperature under this samples greedily, as in SGLang (logits / 1e-40 overflow float32)."""
+
+
+def parse_sampling(sp, eos_ids: tuple[int, ...]) -> SamplingParams:
+    """Every field checked for type and range here, so nothing a client sends can fail the engine's step."""
+    if not isinstance(sp, dict):
+        raise BadRequest(f"sampling_params must be a JSON object, got {type(sp).__name__}")
     for key, value in sp.items():
         if key not in SAMPLING_KEYS and key not in NEUTRAL:
             raise BadRequest(f"sampling_params.{key} is not supported by this server "
                              f"(supported: {sorted(SAMPLING_KEYS | set(NEUTRAL))})")
         if key in NEUTRAL and NEUTRAL[key] is not None and value not in (None, NEUTRAL[key]):
             raise BadRequest(f"sampling_params.{key}={value!r} is not supported (only {NEUTRAL[key]!r})")
+    temperature = _field(sp, "temperature", 1.0, float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
+    top_p = _field(sp, "top_p", 1.0, float, lambda v: 0 < v <= 1, "in (0, 1]")
+    top_k = _field(sp, "top_k", -1, int, lambda v: v == -1 or v >= 1, "-1 or >= 1")
+    max_new_tokens = _field(sp, "max_new_tokens", 128, int, lambda v: v >= 1, "an integer >= 1")
+    stop = _field(sp, "stop_token_ids", [], list, lambda v: all(_is(t, int) for t in v), "a list of token ids")
+    ignore_eos = _field(sp, "ignore_eos", False, bool, lambda v: True, "true or false")
     # as SGLang: stop at the request's stop ids and the model's EOS ids; ignore_eos turns off both
-    stop = tuple(int(t) for t in sp.get("stop_token_ids") or ())
-    stop = () if sp.get("ignore_eos") else stop + tuple(t for t in eos_ids if t not in stop)
-    top_k = sp.get("top_k")
-    return SamplingParams(temperature=float(_default(sp, "temperature", 1.0)), top_p=float(_default(sp, "top_p", 1.0)),
-                          top_k=-1 if top_k is None or top_k >= 1 << 30 else int(top_k),
-                          max_new_tokens=int(_default(sp, "max_new_tokens", 128)), stop_token_ids=stop)
+    stop = () if ignore_eos else tuple(stop) + tuple(t for t in eos_ids if t not in stop)
+    return SamplingParams(temperature=0.0 if temperature < GREEDY_BELOW else temperature, top_p=top_p,
+                          top_k=-1 if top_k >= 1 << 30 else top_k, max_new_tokens=max_new_tokens, stop_token_ids=stop)
 
 
-def _default(d: dict, key: str, value):
-    return value if d.get(key) is None else d[key]
+def _is(value, kind: type) -> bool:
+    """JSON's types: a bool is not a number, an integer is a float."""
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def _field(sp: dict, key: str, default, kind: type, ok, rule: str):
+    value = sp.get(key)
+    if value is None:
+        return default
+    if not _is(value, kind) or not ok(value):
+        raise BadRequest(f"sampling_params.{key} must be {rule}, got {value!r}"[:300])
+    return kind(value) if kind is float else value
 
 
 def parse_generate(body: dict, eos_ids: tuple[int, ...]) -> GenerateRequest:
@@ -71,13 +97,21 @@ def parse_generate(body: dict, eos_ids: tuple[int, ...]) -> GenerateRequest:
     ids = body.get("input_ids")
     if ids is None:
         raise BadRequest("input_ids is required (this server has no tokenizer: text is not accepted)")
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+    if not isinstance(ids, list) or not all(_is(t, int) for t in ids):
         raise BadRequest("input_ids must be one list of token ids (batched requests are not supported)")
-    try:
-        sampling = parse_sampling(body.get("sampling_params") or {}, eos_ids)
-    except (TypeError, ValueError) as e:
-        raise BadRequest(f"sampling_params: {e}") from None
-    return GenerateRequest(str(body.get("rid") or uuid.uuid4().hex), ids, sampling)
+    sampling = parse_sampling(_default(body, "sampling_params", {}), eos_ids)
+    return GenerateRequest(_rid(body) or uuid.uuid4().hex, ids, sampling)
+
+
+def _default(d: dict, key: str, value):
+    return value if d.get(key) is None else d[key]
+
+
+def _rid(body: dict) -> str | None:
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise BadRequest(f"rid must be a string (batched requests are not supported), got {type(rid).__name__}")
+    return rid
 
 
 @dataclass
@@ -97,7 +131,9 @@ class Call:
 
 
 class Server(WeightRoutes):
-    def __init__(self, engine: AsyncEngine, model_path: str, eos_ids: tuple[int, ...], weight_version: str = "0"):
+    def __init__(self, engine: AsyncEngine, model_path: str, eos_ids: tuple[int, ...], weight_version: str = "0",
+                 api_key: str = "", admin_api_key: str = "", weights_root: str = "", lease_s: float = 300.0,
+                 max_body_bytes: int = 4 << 20):
         self.engine, self.core = engine, engine.engine
         self.model_path = model_path
         self.eos_ids = eos_ids
@@ -107,7 +143,9 @@ class Server(WeightRoutes):
         self.idle = asyncio.Condition()
         self.version_names = {self.core.version: weight_version}
         self.weight_version = weight_version
-        WeightRoutes.__init__(self)
+        self.api_key, self.admin_api_key, self.max_body_bytes = api_key, admin_api_key, max_body_bytes
+        self.pause_lease = Lease(lease_s, self.resume, "pause_generation")
+        WeightRoutes.__init__(self, weights_root, lease_s)
 
     # -- generate -------------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
@@ -128,7 +166,7 @@ class Server(WeightRoutes):
         req = call.request
         while not call.aborted and await self._admitted(call):
             left = req.sampling.max_new_tokens - len(call.tokens)
-            sp = SamplingParams(**{**req.sampling.__dict__, "max_new_tokens": left})
+            sp = dataclasses.replace(req.sampling, max_new_tokens=left)
             call.in_engine, call.retracted = True, False
             try:
                 out = await self.engine.generate(GenerateRequest(req.request_id, req.input_ids + call.tokens, sp))
@@ -198,11 +236,12 @@ class Server(WeightRoutes):
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _json(request)
+        rid = _rid(body)
         if body.get("abort_all"):
             for call in list(self.calls.values()):
                 self.abort_call(call)
-        elif body.get("rid") in self.calls:
-            self.abort_call(self.calls[body["rid"]])
+        elif rid in self.calls:
+            self.abort_call(self.calls[rid])
         return web.Response()
 
     async def pause_generation(self, request: web.Request) -> web.Response:
@@ -210,6 +249,7 @@ class Server(WeightRoutes):
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"mode must be abort, retract or in_place, got {mode!r}")
         self.closed_by.add("paused")
+        self.pause_lease.renew()
         if mode == "abort":
             for call in list(self.calls.values()):
                 self.abort_call(call)
@@ -223,9 +263,13 @@ class Server(WeightRoutes):
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
+        self.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    def resume(self) -> None:
+        self.pause_lease.cancel()
         self.engine.release()
         self._open("paused")
-        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     @contextlib.asynccontextmanager
     async def exclusive(self, abort_all: bool = False):
@@ -289,7 +333,7 @@ class Server(WeightRoutes):
             "released": sorted(self.core.released)})
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors], client_max_size=1 << 30)
+        app = web.Application(middlewares=[self._auth, self._keep_leases, _errors], client_max_size=self.max_body_bytes)
         post = {"/generate": self.generate, "/abort_request": self.abort_request,
                 "/pause_generation": self.pause_generation, "/continue_generation": self.continue_generation,
                 "/release_memory_occupation": self.release_memory, "/resume_memory_occupation": self.resume_memory,
@@ -301,8 +345,46 @@ class Server(WeightRoutes):
         return app
 
 
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if not allowed(request.path, request.headers.get("Authorization"), self.api_key, self.admin_api_key):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    @web.middleware
+    async def _keep_leases(self, request: web.Request, handler):
+        """Every admin call of the client that paused, or opened a session, keeps them open."""
+        if request.path not in API_KEY_PATHS:
+            self.pause_lease.touch()
+            self.session_lease.touch()
+        return await handler(request)
+
+
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+
+
+def allowed(path: str, authorization: str | None, api_key: str, admin_api_key: str) -> bool:
+    """SGLang 0.5.23's rule (`srt/utils/auth.py`): health and metrics are open; an admin endpoint takes the
+    admin key when one is set, else the API key; the others take the API key when one is set."""
+    if path.startswith(OPEN_PREFIXES):
+        return True
+    key = api_key if path in API_KEY_PATHS else admin_api_key or api_key
+    if not key:
+        return True
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
+
+
+def body_limit(max_model_len: int) -> int:
+    """The largest legal request, with room: a /generate of max_model_len token ids (under 16 bytes each in
+    JSON), or a weight update's metadata and handles (4 MiB holds thousands of tensors' worth)."""
+    return max(4 << 20, 16 * max_model_len + (64 << 10))
+
+
 def _tags(body: dict) -> list[str]:
     tags = body.get("tags") or ["weights", "kv_cache", "cuda_graph"]
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise BadRequest(f"tags must be a list of names (weights, kv_cache, cuda_graph), got {tags!r}"[:300])
     bad = sorted(set(tags) - {"weights", "kv_cache", "cuda_graph"})
     if bad:
         raise BadRequest(f"tags: unknown {bad} (weights, kv_cache, cuda_graph)")
@@ -310,12 +392,16 @@ def _tags(body: dict) -> list[str]:
 
 
 async def _json(request: web.Request) -> dict:
+    """The body as a JSON object (every endpoint here takes one)."""
     if not request.can_read_body:
         return {}
     try:
-        return await request.json()
+        body = await request.json()
     except ValueError as e:
         raise BadRequest(f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
+    return body
 
 
 @web.middleware
@@ -337,8 +423,11 @@ def build_server(args: argparse.Namespace) -> Server:
     eos = model.generation_config.eos_token_id if model.generation_config else model.config.eos_token_id
     eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
     core = LLMEngine(model, args.max_num_seqs, args.max_model_len, args.max_prefill_tokens, args.seed, 0,
-                     args.park_slots, args.kv_reuse_max_staleness)
-    return Server(AsyncEngine(core), args.model_path, eos_ids, args.weight_version)
+                     num_park_slots=args.park_slots, max_versions=args.max_versions)
+    limit = int(args.max_body_mb * (1 << 20)) if args.max_body_mb else body_limit(args.max_model_len)
+    return Server(AsyncEngine(core), args.model_path, eos_ids, args.weight_version, api_key=args.api_key,
+                  admin_api_key=args.admin_api_key, weights_root=args.weights_root, lease_s=args.lease_s,
+                  max_body_bytes=limit)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -355,9 +444,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--park-slots", type=int, default=0, help="spare KV slots keeping aborted requests' caches")
-    p.add_argument("--kv-reuse-max-staleness", type=int, default=0,
+    p.add_argument("--max-versions", type=int, default=0,
                    help="versions a parked cache may lag the weights and still be reused")
     p.add_argument("--weight-version", default="0")
+    p.add_argument("--api-key", default="", help="Bearer key of /generate and the info endpoints (empty: open)")
+    p.add_argument("--admin-api-key", default="", help="Bearer key of the admin endpoints (empty: the API key)")
+    p.add_argument("--weights-root", default="",
+                   help="/update_weights_from_disk also loads from under this directory (always: the model's)")
+    p.add_argument("--lease-s", type=float, default=300.0,
+                   help="a pause or a weight-update session ends after this long without an admin call")
+    p.add_argument("--max-body-mb", type=float, default=0.0,
+                   help="largest request body; 0: sized to the largest legal request (by --max-model-len)")
     return p.parse_args(argv)
 
 

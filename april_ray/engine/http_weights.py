@@ -8,10 +8,12 @@
 - `/destroy_weights_update_group` {group_name}.
 - `/update_weights_from_tensor` {serialized_named_tensors, load_format, flush_cache, abort_all_requests,
   weight_version}: tensors handed over by handle (shared memory on CPU, CUDA IPC on GPU).
-- `/update_weights_from_disk` {model_path, abort_all_requests, weight_version, flush_cache}: safetensors files.
+- `/update_weights_from_disk` {model_path, abort_all_requests, weight_version, flush_cache}: safetensors files,
+  from the model's own directory or under `--weights-root` only.
 - `/update_weight_version` {new_version, abort_all_requests}.
 - `/begin_weight_update` {selector}, `/end_weight_update`: a weight-update session. As in SGLang, distributed
   and tensor updates are refused outside one (disk updates are not), and a session is opened only once.
+  A session that no admin call renews for the lease (`--lease-s`) ends by itself.
 
 Blocking work (the rendezvous, the broadcast) runs in a thread, so the server keeps answering (aborts,
 health) meanwhile; loading into the model runs on the event loop, between engine steps.
@@ -27,13 +29,43 @@ from aiohttp import web
 from april_ray.engine import weight_sync
 
 
+class Lease:
+    """Ends what a client opened (a pause, a weight-update session) once no admin call has come for
+    `seconds`: a client that went away, or a stray call, cannot hold generation or block the next update."""
+
+    def __init__(self, seconds: float, end, what: str):
+        self.seconds, self.end, self.what = seconds, end, what
+        self.handle: asyncio.TimerHandle | None = None
+
+    def renew(self) -> None:
+        self.cancel()
+        self.handle = asyncio.get_running_loop().call_later(self.seconds, self._expire)
+
+    def touch(self) -> None:
+        if self.handle is not None:
+            self.renew()
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+    def _expire(self) -> None:
+        self.handle = None
+        print(f"{self.what} ended: no admin call for {self.seconds:.0f}s", flush=True)
+        self.end()
+
+
 class WeightRoutes:
     """Mixed into `http_server.Server`, which provides `core`, `exclusive`, `set_version`, `abort_call`."""
 
-    def __init__(self):
+    def __init__(self, weights_root: str = "", lease_s: float = 300.0):
         self.groups: dict = {}
         self.session: str | None = None
         """The open weight-update session's selector (None: no session)."""
+        self.session_lease = Lease(lease_s, self._end_session, "weight-update session")
+        self.disk_roots = [Path(self.model_path).resolve()] + ([Path(weights_root).resolve()] if weights_root else [])
+        """Where /update_weights_from_disk may read: the model's directory, and the configured root."""
 
     def weight_routes(self) -> dict:
         handlers = {
@@ -72,13 +104,18 @@ class WeightRoutes:
         if self.session is not None:
             raise ValueError("a weight-update session is already open; call end_weight_update() first")
         self.session = selector
+        self.session_lease.renew()
         return "Success"
 
     async def end_update(self, body: dict) -> str:
         if self.session is None:
             raise ValueError("no weight-update session is open; call begin_weight_update() first")
-        self.session = None
+        self._end_session()
         return "Success"
+
+    def _end_session(self) -> None:
+        self.session_lease.cancel()
+        self.session = None
 
     def _in_session(self, what: str) -> None:
         if self.session is None:
@@ -111,13 +148,15 @@ class WeightRoutes:
         return "Success"
 
     async def from_disk(self, body: dict) -> str:
-        from safetensors.torch import load_file
-
-        files = sorted(Path(body["model_path"]).glob("*.safetensors"))
+        path = Path(_text(body, "model_path")).resolve()
+        if not any(path == root or root in path.parents for root in self.disk_roots):
+            raise ValueError(f"model_path {body['model_path']!r} is outside the directories this server loads "
+                             f"from: {', '.join(map(str, self.disk_roots))} (--weights-root)")
+        files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ValueError(f"model_path {body['model_path']!r}: no *.safetensors file there")
         async with self.exclusive(bool(body.get("abort_all_requests"))):
-            named = [kv for f in files for kv in load_file(f, device=str(self.device)).items()]
+            named = [kv for f in files for kv in _read_safetensors(f, self.device).items()]
             self._load(named, body)
         return f"Succeeded to update model weights from {body['model_path']}."
 
@@ -136,11 +175,28 @@ class WeightRoutes:
             self.set_version(str(body["weight_version"]))
 
 
+def _text(body: dict, key: str) -> str:
+    if not isinstance(body[key], str):
+        raise ValueError(f"{key} must be a string, got {type(body[key]).__name__}")
+    return body[key]
+
+
+def _read_safetensors(path: Path, device) -> dict:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path, device=str(device))
+    except Exception as e:  # safetensors' own error type is not importable under a stable name
+        raise ValueError(f"model_path: {path.name} is not a readable safetensors file ({e})") from None
+
+
 def _reply(fn):
     """SGLang's weight replies: {"success", "message"}; a missing field or a refused update is a 400."""
     async def handler(request: web.Request) -> web.Response:
         try:
             body = await request.json() if request.can_read_body else {}
+            if not isinstance(body, dict):
+                raise ValueError(f"the body must be a JSON object, got {type(body).__name__}")
             message = await fn(body)
         except (KeyError, TypeError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
             detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)

@@ -224,8 +224,9 @@ class ModelRunner:
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; returns (tokens, logprobs under softmax(logits / temperature))."""
+           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample one token per row; returns (tokens, logprobs under softmax(logits / temperature), ok). A row
+    whose distribution is not finite (`ok` false) gets token 0: one bad request must not stop the batch."""
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
@@ -239,6 +240,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
         cut = (cum - sorted_vals.softmax(-1) < top_p[:, None]).sum(-1, keepdim=True)
         pth = sorted_vals.gather(-1, (cut - 1).clamp(min=0))
         filtered = scaled.masked_fill(scaled < torch.maximum(kth, pth), float("-inf"))
-    sampled = torch.multinomial(filtered.softmax(-1), 1, generator=generator)[:, 0]
-    tokens = torch.where(greedy, logits.argmax(-1), sampled)
-    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+    probs = filtered.softmax(-1)
+    ok = torch.isfinite(probs).all(-1) & torch.isfinite(logp).any(-1)
+    probs = torch.where(ok[:, None], probs, 1.0)  # multinomial raises on any bad row
+    sampled = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    tokens = torch.where(ok, torch.where(greedy, logits.argmax(-1), sampled), 0)
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0], ok

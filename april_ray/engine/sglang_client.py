@@ -18,6 +18,8 @@ in-actor engine.
   methods below are those deliveries' HTTP half, and pause / continue, memory release / resume,
   `flush_cache`. `update_weights(state_dict, version)` (weights through Ray's object store) hands the
   tensors to the server by handle from this process, on the same node: shared memory.
+- Every call carries SGLang's `Authorization: Bearer` key: the API key for generation and information, the
+  admin key for everything else (`API_KEY_PATHS`), as a server started with both keys requires.
 - `stats` is counted here from the replies: generated = completion tokens, prefill = prompt tokens not
   served from the server's prefix cache, reused = `cached_tokens`; occupancy is requests in flight.
 """
@@ -36,6 +38,9 @@ from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateR
 log = logging.getLogger(__name__)
 
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+API_KEY_PATHS = {"/generate", "/model_info", "/get_model_info", "/get_server_info", "/server_info"}
+"""SGLang's endpoints under `--api-key`; the others (abort, pause, weights, memory, cache) take
+`--admin-api-key` when it is set, and /health, /metrics none."""
 
 
 class ServerError(RuntimeError):
@@ -49,15 +54,19 @@ class BadRequestError(ServerError, ValueError):
 class SGLangEngine:
     def __init__(self, url: str, version: int = 0, max_model_len: int | None = None, server=None,
                  flush_on_update: bool = True, bucket_mb: float = 512.0, timeout_s: float = 3600.0,
-                 abort_retries: int = 50, abort_interval_s: float = 0.05):
+                 abort_retries: int = 50, abort_interval_s: float = 0.05, api_key: str | None = None,
+                 admin_api_key: str | None = None):
         """`server`: the `sglang_server.ServerProcess` behind `url`, if we started it (errors then carry
         its log tail). `max_model_len`: the server's context length, to clamp budgets as our engine does.
         `flush_on_update`: drop the server's prefix cache with each weight update (false keeps caches of
-        older weights, within the server's own staleness bound)."""
+        older weights, within the server's own staleness bound). The keys default to `server`'s; a learner
+        that only sends weights needs the admin key alone."""
         self.url = url.rstrip("/")
         self.version = version
         self.max_model_len = max_model_len
         self.server = server
+        self.api_key = api_key if api_key is not None else getattr(server, "api_key", "")
+        self.admin_api_key = admin_api_key if admin_api_key is not None else getattr(server, "admin_api_key", "")
         self.flush_on_update, self.bucket_mb = flush_on_update, bucket_mb
         self.timeout_s = timeout_s
         self.abort_retries, self.abort_interval_s = abort_retries, abort_interval_s
@@ -84,8 +93,10 @@ class SGLangEngine:
     async def request(self, method: str, path: str, body: dict | None = None, ok_400: bool = False):
         """JSON in, JSON (or text) out; a failure raises with the URL, the status and the server's answer."""
         url = f"{self.url}{path}"
+        key = self.api_key if path in API_KEY_PATHS else self.admin_api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else None
         try:
-            async with self._http().request(method, url, json=body) as r:
+            async with self._http().request(method, url, json=body, headers=headers) as r:
                 text = await r.text()
                 if r.status == 400 and ok_400:
                     return None

@@ -5,12 +5,17 @@ Two servers, one launcher class each, chosen once (`LAUNCHERS[name]`): `SGLangLa
 engine's server (`python -m april_ray.engine.http_server`). Both bind 127.0.0.1 unless told otherwise, on a
 free port, log to a file, and are waited for on `/health`; a server that exits, or is not healthy in
 time, is reported with the tail of its log. The server dies with the process that started it.
+
+Each server gets two random keys when it starts, as SGLang takes them (`--api-key` for generation,
+`--admin-api-key` for aborts, pauses, weights and memory; health and metrics stay open): only the
+engine actor that started it, and the learners it hands the admin key to, can drive it.
 """
 from __future__ import annotations
 
 import ctypes
 import importlib.util
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -41,7 +46,7 @@ class ServerOptions:
     num_threads: int = 1
     seed: int = 0
     park_slots: int = 0
-    kv_reuse_max_staleness: int = 0
+    max_versions: int = 0
     device: str = "cpu"
     """Our server only: cpu, or cuda to serve the model from the GPU Ray gave this process."""
     startup_timeout_s: float = 600.0
@@ -49,6 +54,13 @@ class ServerOptions:
     """The version the server reports (and stamps tokens with) until the first update."""
     log_dir: str = field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "april_ray_servers"))
     extra_args: list[str] = field(default_factory=list)
+    api_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    """`Authorization: Bearer` key of /generate and the info endpoints (a fresh one per server)."""
+    admin_api_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    """Key of the admin endpoints: abort, pause, weight updates, memory, cache."""
+    weights_root: str = ""
+    """Our server only: /update_weights_from_disk also loads from under this directory (always from the
+    model's own). Empty: the model's directory only."""
 
 
 def reachable_host(host: str) -> str:
@@ -83,8 +95,10 @@ def _die_with_parent() -> None:
 class ServerProcess:
     """A started server: its URL, process and log."""
 
-    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, command: list[str]):
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, command: list[str], api_key: str = "",
+                 admin_api_key: str = ""):
         self.proc, self.url, self.log_path, self.command = proc, url, log_path, command
+        self.api_key, self.admin_api_key = api_key, admin_api_key
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -151,13 +165,15 @@ class Launcher:
         self.check_installed()
         port = free_port(opts.host)
         cmd = self.command(opts, port) + list(opts.extra_args)
+        keys = ["--api-key", opts.api_key, "--admin-api-key", opts.admin_api_key]
         log_dir = Path(opts.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{self.name}-{tag}-{port}.log"
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(cmd + keys, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, preexec_fn=_die_with_parent)
-        server = ServerProcess(proc, f"http://{reachable_host(opts.host)}:{port}", log_path, cmd)
+        server = ServerProcess(proc, f"http://{reachable_host(opts.host)}:{port}", log_path, cmd, opts.api_key,
+                               opts.admin_api_key)
         server.wait_healthy(opts.startup_timeout_s)
         return server
 
@@ -189,7 +205,8 @@ class CPUServerLauncher(Launcher):
                 "--max-num-seqs", str(opts.max_num_seqs), "--max-model-len", str(opts.max_model_len),
                 "--max-prefill-tokens", str(opts.max_prefill_tokens), "--num-threads", str(opts.num_threads),
                 "--seed", str(opts.seed), "--park-slots", str(opts.park_slots),
-                "--kv-reuse-max-staleness", str(opts.kv_reuse_max_staleness), "--weight-version", opts.weight_version]
+                "--max-versions", str(opts.max_versions), "--weight-version", opts.weight_version,
+                "--weights-root", opts.weights_root]
 
 
 LAUNCHERS: dict[str, type[Launcher]] = {"sglang": SGLangLauncher, "cpu": CPUServerLauncher}
