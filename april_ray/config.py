@@ -279,7 +279,11 @@ class TrainConfig:
     eval_every: int = positive(10)
     save_every: int = positive(20)
     resume: bool = False
-    """Continue from the latest checkpoint in output_dir (policy, optimizer, cursor, store, version)."""
+    """Continue from the latest checkpoint in output_dir (policy, optimizer, cursor, store, version). false: a
+    new run; an earlier run's files in output_dir are moved to output_dir/runs/<its run id> first."""
+    start_over: bool = False
+    """With resume: when every checkpoint the run saved is unusable, start a new run from step 0 (its files
+    moved aside as for a fresh run) instead of stopping with what was rejected and why."""
     output_dir: str = "outputs/train"
     eval_greedy: bool = True
     """Also evaluate greedily (temperature 0) on the held-out prompts."""
@@ -391,6 +395,22 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def _load_yaml(path: str):
+    """The YAML file at `path` as a mapping of sections; a ConfigError names the file (and the line)."""
+    import yaml
+
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else path
+        raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+    if not OmegaConf.is_dict(loaded):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, engine:, ...), "
+                          f"got a {type(OmegaConf.to_container(loaded)).__name__}")
+    return loaded
+
+
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Schema, then the YAML file at `path`, then `key=value` overrides; then `validate`."""
     try:
@@ -398,7 +418,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         if path:
             if not Path(path).is_file():
                 raise ConfigError(f"config file not found: {path}")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            merged = OmegaConf.merge(merged, _load_yaml(path))
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r}: expected key=value")

@@ -1,9 +1,12 @@
 """Checkpoints of a training job.
 
 A checkpoint is one directory `ckpt-<step>`, written under a temporary name and renamed into place when
-complete, then `latest` is pointed at it (both renames are atomic). It holds the policy in Hugging Face
-format (safetensors), the optimiser state, `rollout_state.json` and, written last, `manifest.json`
-(every file of the checkpoint with its size). `rollout_state.json` is plain JSON, never a pickle, with a
+complete, then `latest` is pointed at it (both renames are atomic; `latest` holds a name, never a path,
+and one that leaves the output directory is refused). It holds tensors and JSON only: the policy in
+Hugging Face format (safetensors), the optimiser state (safetensors, `april_ray/learn/safe_state.py`),
+`rollout_state.json` and, written last, `manifest.json` (every file of the checkpoint with its size and
+sha256, checked before anything is read). Nothing in a checkpoint is ever unpickled: a file that is
+neither safetensors nor text is refused by name (`check_contents`), and the loaders cannot unpickle. `rollout_state.json` is plain JSON, never a pickle, with a
 schema name and version: the step, the policy version, the prompt cursor, the partial-rollout store
 (every sample's token ids, behaviour logprobs, per-token versions, state and reward) and the monitor's
 counters, all taken at the same moment between two steps, so a restart neither skips the prompts
@@ -20,6 +23,7 @@ pickle format (`state.pkl`) is refused, never unpickled: loading a pickle runs c
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -45,9 +49,16 @@ LATEST = "latest"
 
 
 def named_by_latest(out_dir: Path) -> Path | None:
-    """The checkpoint the `latest` pointer names (which may be gone or incomplete); None without one."""
+    """The checkpoint the `latest` pointer names (which may be gone or incomplete); None without one. A
+    pointer that names anything but a `ckpt-<step>` in `out_dir` (a path, `..`) is refused."""
     pointer = out_dir / LATEST
-    return out_dir / pointer.read_text().strip() if pointer.is_file() else None
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    if not _NAME.fullmatch(name):
+        raise CheckpointError(f"{pointer}: names {name!r:.80}, not a ckpt-<step> directory of {out_dir}; "
+                              f"refused (delete {pointer} to resume from the newest complete checkpoint)")
+    return out_dir / name
 
 
 def _run_file(out_dir: Path) -> str | None:
@@ -74,6 +85,55 @@ def start_run(out_dir: Path, resume: bool) -> str:
     return run
 
 
+def open_run(out_dir: Path, train, log=print) -> Path | None:
+    """Start this job's run in `out_dir`; returns the checkpoint to resume from (None: step 0).
+
+    A fresh job (`train.resume=false`) never erases an earlier run: its files are moved to
+    `out_dir/runs/<its run id>` first (`set_aside`). A resume goes on with the run of `out_dir`; when
+    that run saved checkpoints and none is usable, it stops naming each and why (its next save would
+    overwrite one), unless `train.start_over`: then it starts a new run as a fresh job does."""
+    if train.resume:
+        rejected = []
+        ckpt = find_checkpoint(out_dir, log, start_run(out_dir, resume=True), rejected)
+        if ckpt is not None or not rejected:
+            return ckpt
+        if not train.start_over:
+            raise CheckpointError(
+                f"train.resume: no usable checkpoint in {out_dir}; " + "; ".join(f"{p}: {why}" for p, why in rejected)
+                + f". Nothing was changed. Repair or remove them, or add train.start_over=true to start a new run "
+                  f"from step 0 (this run's files are moved to {out_dir / EARLIER_RUNS} first).")
+        log(f"checkpoint: train.start_over: no usable checkpoint ({len(rejected)} rejected); starting a new run")
+    set_aside(out_dir, log)
+    start_run(out_dir, resume=False)
+    return None
+
+
+EARLIER_RUNS = "runs"
+RUN_RECORDS = {RUN_FILE, LATEST, "config.yaml", "wandb_run_id", "wandb", "weights"}
+"""What a run leaves in its output directory besides its checkpoints and `*.jsonl` step logs."""
+
+
+def set_aside(out_dir: Path, log=print) -> Path | None:
+    """Move an earlier run's files in `out_dir` (records, step logs, checkpoints) to
+    `out_dir/runs/<its run id>`, where `train.output_dir=<that directory> train.resume=true` goes on with it.
+    Other files stay. Returns where they went (None: there were none)."""
+    mine = [p for p in out_dir.iterdir() if p.name in RUN_RECORDS or p.suffix == ".jsonl" or _NAME.search(p.name)]
+    if not mine:
+        return None
+    name = _run_file(out_dir) or "unnamed"
+    dest = out_dir / EARLIER_RUNS / name
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = out_dir / EARLIER_RUNS / f"{name}-{n}"
+    dest.mkdir(parents=True)
+    for p in mine:
+        p.rename(dest / p.name)
+    log(f"{out_dir} held an earlier run: its {len(mine)} files moved to {dest} (nothing deleted; "
+        f"train.output_dir={dest} train.resume=true continues it)")
+    return dest
+
+
 def save_checkpoint(out_dir: Path, step: int, version: int, learners, rollout) -> Path:
     """Everything a resume needs, taken between two steps (after `step`, at policy `version`)."""
     source, store, monitor = ray.get([rollout.source.state_dict.remote(), rollout.store.state_dict.remote(),
@@ -96,7 +156,8 @@ def write_checkpoint(out_dir: Path, state: dict, save_policy) -> Path:
     tmp.mkdir(parents=True)
     save_policy(str(tmp))
     _write(tmp / STATE_FILE, json.dumps(state))
-    files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+    files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
+             for f in sorted(tmp.rglob("*")) if f.is_file()}
     _write(tmp / MANIFEST, json.dumps({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "step": state["step"],
                                        "run": _run_file(out_dir), "files": files}, indent=1))
     old = out_dir / f".old-{path.name}"
@@ -122,8 +183,17 @@ def _write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def incomplete_reason(path: Path) -> str | None:
-    """Why `path` is not a complete checkpoint (None: it is). Raises on the refused pickle format."""
+    """Why `path` is not a complete checkpoint (None: it is): a file missing, or not as the manifest says
+    (size, then sha256). Raises on the refused pickle format."""
     if (path / "state.pkl").exists():
         raise CheckpointError(f"{path / 'state.pkl'}: a checkpoint of an older april-ray that keeps its rollout "
                               f"state as a pickle; it is refused, never unpickled (loading a pickle runs code "
@@ -137,19 +207,30 @@ def incomplete_reason(path: Path) -> str | None:
         return f"no {MANIFEST} (written last: the save did not finish)"
     except (ValueError, KeyError, TypeError) as e:
         return f"{MANIFEST} unreadable ({e!r})"
-    for name, size in files.items():
+    if not isinstance(files, dict) or STATE_FILE not in files:
+        return f"{MANIFEST}: files must be an object naming {STATE_FILE}, got {json.dumps(files)[:60]}"
+    for name, entry in files.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)):
+            return f"{MANIFEST}: {name}: no size and sha256 (a checkpoint of an older april-ray, or not one)"
+    for name, entry in files.items():
         f = path / name
+        if not f.resolve().is_relative_to(path.resolve()):
+            return f"{MANIFEST}: {name} is outside the checkpoint"
         if not f.is_file():
             return f"{name} missing"
-        if f.stat().st_size != size:
-            return f"{name} has {f.stat().st_size} bytes, the manifest says {size}"
-    return None if STATE_FILE in files else f"{STATE_FILE} not in {MANIFEST}"
+        if f.stat().st_size != entry["size"]:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {entry['size']}"
+    for name, entry in files.items():
+        if _sha256(path / name) != entry["sha256"]:
+            return f"{name}: sha256 differs from the manifest's (changed since it was saved)"
+    return None
 
 
-def find_checkpoint(out_dir: Path, log=print, run: str | None = None) -> Path | None:
+def find_checkpoint(out_dir: Path, log=print, run: str | None = None, rejected: list | None = None) -> Path | None:
     """The newest complete checkpoint in `out_dir` of run `run` (any run's if None; one without a run id
     is any run's), None if there is none; every incomplete one newer than it, every one of another run,
-    and a `latest` pointer that disagrees, are reported through `log`."""
+    and a `latest` pointer that disagrees, are reported through `log`. Each saved one it passes over (not
+    an unfinished save, nor another run's) is appended to `rejected` as (path, reason)."""
     named = named_by_latest(out_dir)
     candidates = [p for p in out_dir.glob("*ckpt-*") if _NAME.search(p.name)]
     if named is not None and named not in candidates:
@@ -170,6 +251,8 @@ def find_checkpoint(out_dir: Path, log=print, run: str | None = None) -> Path | 
                     f"resuming from {path.name}")
             return path
         log(f"checkpoint: {path} is incomplete ({reason}); skipping it for an older complete checkpoint")
+        if rejected is not None and not path.name.startswith(".tmp"):
+            rejected.append((path, reason))
     if candidates:
         log(f"checkpoint: no complete checkpoint in {out_dir}; starting from step 0")
     return None
@@ -215,8 +298,38 @@ def read_state(path: Path) -> dict:
     return state
 
 
+TENSOR_SUFFIXES = {".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".pkl"}
+"""Files that must be safetensors (DeepSpeed names its files `.pt`; ours are safetensors inside)."""
+
+
+def check_contents(path: Path) -> None:
+    """Every file of the checkpoint is what its loader reads without unpickling: safetensors where a
+    tensor file is expected (`TENSOR_SUFFIXES`), else UTF-8 text (JSON, tokenizer files, DeepSpeed's
+    `latest`), and no Python source. A CheckpointError names the first file that is not."""
+    from safetensors import SafetensorError, safe_open
+
+    for name in json.loads((path / MANIFEST).read_text())["files"]:
+        f = path / name
+        if f.suffix in TENSOR_SUFFIXES:
+            try:
+                with safe_open(str(f), "pt") as opened:
+                    opened.keys()
+                continue
+            except (SafetensorError, OSError, ValueError) as e:
+                raise CheckpointError(f"{f}: not a safetensors file ({e}); refused, never unpickled (a "
+                                      f"checkpoint holds tensors and JSON only)") from None
+        try:
+            f.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{f}: neither safetensors nor text; refused (a checkpoint holds tensors "
+                                  f"and JSON only)") from None
+        if f.suffix == ".py":
+            raise CheckpointError(f"{f}: Python source in a checkpoint; refused")
+
+
 def restore_checkpoint(path: Path, learners, rollout, engines) -> tuple[int, int]:
     """Load everything saved at `path`; returns (next step, policy version)."""
+    check_contents(path)
     state = read_state(path)
     try:
         ray.get([rollout.source.load_state_dict.remote(state.get("source")),

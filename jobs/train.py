@@ -22,7 +22,7 @@ from jobs.common import init_ray, parse, write_result
 from actors.metrics import DriverMetrics
 from april_ray.config import to_yaml
 from april_ray.tracking import Tracker, truncate_step_logs
-from driver.checkpoint import find_checkpoint, restore_checkpoint, save_checkpoint, start_run
+from driver.checkpoint import open_run, restore_checkpoint, save_checkpoint
 from driver.engines import EngineGroup
 from driver.evaluator import Evaluator
 from driver.learners import LearnerGroup, stop_if_a_rank_dies
@@ -35,9 +35,8 @@ def train(cfg) -> dict:
     """Run the job; returns the summary, with `history`: (training wall seconds, held-out accuracy)."""
     out = Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    ckpt = open_run(out, cfg.train)  # fresh: an earlier run's files go to runs/; resume: this run's newest checkpoint
     (out / "config.yaml").write_text(to_yaml(cfg))
-    run = start_run(out, cfg.train.resume)  # a fresh job starts a new run: a resume never takes an older one's
-    ckpt = find_checkpoint(out, run=run) if cfg.train.resume else None  # the newest complete; says what it skips
     job = prepare(cfg)  # model, data and placement plan, once
     if not ray.is_initialized():
         init_ray(job.layout, cfg.logging)

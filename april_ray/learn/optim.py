@@ -14,6 +14,9 @@ from pathlib import Path
 import torch
 
 from april_ray.config import LearnerConfig
+from april_ray.learn.safe_state import deepspeed_checkpoint_engine, load_state, save_state
+
+OPTIMIZER_FILE = "optimizer.safetensors"
 
 
 class TorchOptim:
@@ -54,7 +57,7 @@ class TorchOptim:
 
     def save(self, path: Path, rank: int) -> None:
         if rank == 0:
-            torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps}, path / "optimizer.pt")
+            save_state({"optimizer": self.optimizer.state_dict(), "steps": self.steps}, path / OPTIMIZER_FILE)
 
     def load(self, path: Path) -> None:
         from safetensors.torch import load_file
@@ -63,7 +66,7 @@ class TorchOptim:
         missing, unexpected = self.module.load_state_dict(load_file(path / "policy" / "model.safetensors"), strict=False)
         if unexpected or set(missing) - {"lm_head.weight"}:
             raise ValueError(f"{path}/policy does not match the policy (missing {missing}, unexpected {unexpected})")
-        state = torch.load(path / "optimizer.pt")
+        state = load_state(path / OPTIMIZER_FILE)  # tensors and JSON: never unpickled
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = state["steps"]
 
@@ -134,9 +137,14 @@ class DeepSpeedOptim:
             yield list(self.module.state_dict().items())
 
     def save(self, path: Path, rank: int) -> None:
+        self.model.checkpoint_engine = deepspeed_checkpoint_engine()  # safetensors, not torch.save's pickles
         self.model.save_checkpoint(str(path / "optimizer"), tag="state")
+        if rank == 0:  # DeepSpeed's recovery scripts: code in a checkpoint, and they unpickle what they read
+            for script in (path / "optimizer").glob("zero_to_*.py"):
+                script.unlink()
 
     def load(self, path: Path) -> None:
+        self.model.checkpoint_engine = deepspeed_checkpoint_engine()  # never unpickles
         self.model.load_checkpoint(str(path / "optimizer"), tag="state")
 
 

@@ -1,0 +1,250 @@
+"""Checkpoints hold tensors and JSON only, and runs never erase each other: a pickle in place of a state file
+is refused by name and never run, the manifest's sha256 and the `latest` pointer are checked, a fresh run
+sets an earlier one aside, and a resume with nothing usable stops instead of starting over."""
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from april_ray.config import AlgorithmConfig, LearnerConfig, TrainConfig
+from april_ray.learn.learner import Learner
+from april_ray.learn.safe_state import StateFileError, load_state, save_state
+from driver.checkpoint import (CheckpointError, _sha256, check_contents, find_checkpoint, open_run, rollout_state,
+                               write_checkpoint)
+from tests.test_learner import batch_from_policy
+
+
+class Payload:
+    """A pickle that creates `marker` when it is loaded."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def save_policy(path):
+    (Path(path) / "policy").mkdir()
+    save_state({"w": torch.ones(3)}, Path(path) / "policy" / "model.safetensors")
+    (Path(path) / "optimizer.safetensors").write_bytes((Path(path) / "policy" / "model.safetensors").read_bytes())
+
+
+def checkpoint(out: Path, step: int) -> Path:
+    state = rollout_state(step, step + 1, {}, {}, {"returned_groups": 0, "dropped_groups": 0})
+    return write_checkpoint(out, state, save_policy)
+
+
+def put_pickles(ckpt: Path, marker: Path, suffixes=(".pt", ".bin", ".safetensors")) -> list[Path]:
+    """Replace every pickle-capable file of `ckpt` with a pickle that creates `marker`; the manifest is
+    rewritten to match (sizes and sha256), as an attacker who can write the directory would."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    replaced = []
+    for name in manifest["files"]:
+        f = ckpt / name
+        if f.suffix in suffixes:
+            f.write_bytes(pickle.dumps({"state": Payload(marker)}))
+            replaced.append(f)
+    for name, entry in manifest["files"].items():
+        f = ckpt / name
+        if isinstance(entry, dict):
+            entry.update(size=f.stat().st_size, sha256=_sha256(f))
+        else:  # the manifest of an april-ray before sha256: sizes only
+            manifest["files"][name] = f.stat().st_size
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    return replaced
+
+
+def test_state_files_round_trip_without_pickle(tmp_path):
+    from collections import OrderedDict
+
+    state = {"optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.arange(4.0)}},
+                           "param_groups": [{"params": [0], "betas": (0.9, 0.99), "foreach": None}]},
+             "shapes": [OrderedDict(w=torch.Size([2, 3]))], "names": {"a", "b"}, "steps": 7}
+    flat = torch.arange(6.0)
+    state["views"] = [flat[:3], flat[3:]]  # one buffer's views: safetensors needs each on its own
+    save_state(state, tmp_path / "s.safetensors")
+    back = load_state(tmp_path / "s.safetensors")
+    assert back["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
+    assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], torch.arange(4.0))
+    assert back["shapes"] == state["shapes"] and back["names"] == {"a", "b"} and back["steps"] == 7
+    assert torch.equal(torch.cat(back["views"]), flat)
+    with pytest.raises(TypeError, match=r"state\['bad'\]: a .*Payload cannot be saved"):
+        save_state({"bad": Payload("x")}, tmp_path / "t.safetensors")
+
+
+def test_a_pickle_in_a_state_file_is_refused_by_name_and_never_run(tmp_path):
+    marker = tmp_path / "pwned"
+    f = tmp_path / "optimizer.safetensors"
+    f.write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(StateFileError, match=rf"{f}: not a safetensors state file"):
+        load_state(f)
+    assert not marker.exists()
+
+
+def deepspeed_learner(model_dir, port):
+    return Learner(str(model_dir), LearnerConfig(backend="deepspeed", zero_stage=1, lr=1e-3), AlgorithmConfig(),
+                   temperature=1.0, max_response_len=32, master_port=port)
+
+
+def optimizer_tensors(learner) -> list[torch.Tensor]:
+    sd = learner.optim.model.optimizer.state_dict()
+    found = []
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            found.append(o.detach().clone())
+        elif isinstance(o, dict):
+            [walk(v) for v in o.values()]
+        elif isinstance(o, (list, tuple)):
+            [walk(v) for v in o]
+    walk(sd)
+    return found
+
+
+def test_deepspeed_state_is_saved_as_safetensors_and_a_pickle_put_in_its_place_never_runs(random_model_dir, tmp_path):
+    """DeepSpeed's own checkpoint engine unpickles its `.pt` files; ours writes and reads safetensors. The
+    state comes back exactly; pickles in place of its files are refused by name and do not run."""
+    learner = deepspeed_learner(random_model_dir, 29751)
+    batch = batch_from_policy(random_model_dir)
+    learner.train_step(batch, version=0)
+    saved = optimizer_tensors(learner)
+    learner.save(tmp_path, str(random_model_dir))
+    files = sorted((tmp_path / "optimizer").rglob("*.pt"))
+    assert files and not list(tmp_path.rglob("*.py"))
+    for f in files:
+        load_state(f)  # each a safetensors state file
+    learner.train_step(batch, version=1)  # the state moves on ...
+    assert any(not torch.equal(a, b) for a, b in zip(saved, optimizer_tensors(learner)))
+    learner.load(tmp_path)  # ... and comes back as saved
+    assert all(torch.equal(a, b) for a, b in zip(saved, optimizer_tensors(learner)))
+
+    marker = tmp_path / "pwned"
+    for f in files:
+        f.write_bytes(pickle.dumps({"module": Payload(marker)}))
+    with pytest.raises(StateFileError, match=r"optimizer/state/.*\.pt: not a safetensors state file"):
+        learner.load(tmp_path)
+    assert not marker.exists()
+
+
+def test_check_contents_names_a_pickle_even_with_a_matching_manifest(tmp_path):
+    marker = tmp_path / "pwned"
+    ckpt = checkpoint(tmp_path, 9)
+    put_pickles(ckpt, marker, suffixes=(".safetensors",))
+    assert find_checkpoint(tmp_path, log=None) == ckpt  # sizes and sha256 match: only the contents tell
+    with pytest.raises(CheckpointError, match=r"ckpt-000009/optimizer\.safetensors: not a safetensors file"):
+        check_contents(ckpt)
+    assert not marker.exists()
+
+
+def test_a_changed_file_of_the_same_size_fails_its_sha256(tmp_path):
+    first, second = checkpoint(tmp_path, 9), checkpoint(tmp_path, 19)
+    weights = second / "policy" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    said = []
+    assert find_checkpoint(tmp_path, said.append) == first
+    assert "policy/model.safetensors: sha256 differs from the manifest's" in said[0]
+
+
+@pytest.mark.parametrize("pointer", ["../elsewhere/ckpt-000999", "/tmp/ckpt-000999", "ckpt-000009/../../x"])
+def test_latest_outside_the_output_directory_is_refused(tmp_path, pointer):
+    out = tmp_path / "out"
+    out.mkdir()
+    checkpoint(tmp_path / "elsewhere", 999)
+    checkpoint(out, 9)
+    (out / "latest").write_text(pointer)
+    with pytest.raises(CheckpointError, match=r"out/latest: names .* not a ckpt-<step> directory"):
+        find_checkpoint(out, log=None)
+
+
+def test_a_manifest_whose_files_is_not_an_object_is_incomplete_not_a_crash(tmp_path):
+    first, second = checkpoint(tmp_path, 9), checkpoint(tmp_path, 19)
+    (second / "manifest.json").write_text(json.dumps({"schema": "april-ray/rollout-state", "files": []}))
+    said = []
+    assert find_checkpoint(tmp_path, said.append) == first
+    assert "manifest.json: files must be an object" in said[0]
+
+
+def test_a_fresh_run_sets_the_earlier_one_aside_intact(tmp_path):
+    fresh = TrainConfig(resume=False)
+    assert open_run(tmp_path, fresh) is None
+    run = (tmp_path / "run").read_text()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    (tmp_path / "notes.txt").write_text("the user's")
+    ckpt = checkpoint(tmp_path, 9)
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    said = []
+    assert open_run(tmp_path, fresh, said.append) is None
+    aside = tmp_path / "runs" / run
+    assert f"its 4 files moved to {aside}" in said[0]
+    for rel, data in before.items():
+        moved = tmp_path / rel if rel.name == "notes.txt" else aside / rel
+        assert moved.read_bytes() == data, rel
+    assert (tmp_path / "run").read_text() != run and not (tmp_path / "metrics.jsonl").exists()
+    assert open_run(aside, TrainConfig(resume=True), said.append) == aside / ckpt.name  # resumable where it went
+
+
+def test_a_resume_that_finds_only_rejected_checkpoints_stops_unless_told_to_start_over(tmp_path):
+    open_run(tmp_path, TrainConfig(resume=False))
+    run = (tmp_path / "run").read_text()
+    ckpt = checkpoint(tmp_path, 49)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(50)))
+    (ckpt / "rollout_state.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint .*ckpt-000049: rollout_state\.json has .*"
+                                              r"train\.start_over=true"):
+        open_run(tmp_path, TrainConfig(resume=True), log=lambda _: None)
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 50 and ckpt.is_dir()
+    assert open_run(tmp_path, TrainConfig(resume=True, start_over=True), log=lambda _: None) is None
+    assert (tmp_path / "runs" / run / "ckpt-000049").is_dir() and (tmp_path / "run").read_text() != run
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_job(tmp_path, model_dir, env, *overrides):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu.yaml", f"model.path={model_dir}",
+           f"model.cache_dir={tmp_path}", f"train.output_dir={tmp_path}/out", "task.num_train=300", "task.num_eval=16",
+           "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4",
+           "sampling.max_response_len=24", "engine.max_model_len=64", "train.num_steps=2", "train.eval_every=1000",
+           "train.save_every=2", "train.eval_greedy=false", "logging.wandb_mode=disabled", "logging.dashboard=false",
+           *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def files_of(path: Path) -> dict:
+    return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_two_fresh_jobs_keep_both_runs_and_a_tampered_checkpoint_is_refused_on_resume(tmp_path, random_model_dir,
+                                                                                       user_env):
+    """As a user runs it: the same command twice leaves the first run's metrics and checkpoint as they were;
+    pickles in place of the second run's tensor files, its manifest rewritten to match, stop the resume,
+    naming the file, and never run."""
+    out = tmp_path / "out"
+    first = run_job(tmp_path, random_model_dir, user_env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = (out / "run").read_text()
+    kept = files_of(out / "ckpt-000001") | {Path("metrics.jsonl"): (out / "metrics.jsonl").read_bytes()}
+    assert len((out / "metrics.jsonl").read_text().splitlines()) >= 2
+
+    second = run_job(tmp_path, random_model_dir, user_env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    aside = out / "runs" / run
+    assert files_of(aside / "ckpt-000001") | {Path("metrics.jsonl"): (aside / "metrics.jsonl").read_bytes()} == kept
+    assert (out / "run").read_text() != run and (out / "ckpt-000001").is_dir()
+
+    marker = tmp_path / "pwned"
+    replaced = put_pickles(out / "ckpt-000001", marker)
+    assert any(f.suffix == ".pt" for f in replaced)
+    resumed = run_job(tmp_path, random_model_dir, user_env, "train.resume=true", "train.num_steps=4")
+    assert resumed.returncode != 0, resumed.stdout[-2000:]
+    assert not marker.exists(), "a pickle in the checkpoint ran"
+    assert "ckpt-000001/optimizer/state/" in resumed.stderr and "refused" in resumed.stderr, resumed.stderr[-3000:]
