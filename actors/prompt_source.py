@@ -16,7 +16,7 @@ class PromptSourceActor:
 
         tok = AutoTokenizer.from_pretrained(model_path)
         examples = fit_context(read_examples(data_path, prompt_key, answer_key), tok.encode, max_prompt_tokens,
-                               overlong_prompts, "task.overlong_prompts")
+                               overlong_prompts, "task.overlong_prompts", unk_id=tok.unk_token_id)
         self.source = PromptSource(examples, tok.encode, n_samples, max_response_len, seed)
 
     def take(self, num_groups: int, step: int):

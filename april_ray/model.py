@@ -12,6 +12,7 @@ import json
 import math
 import random
 import shutil
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -101,8 +102,8 @@ def ensure_model(cfg: Config, log=print) -> Path:
     if (out / "model.safetensors").is_file():
         return check_model_dir(out, f"the embedded model (delete {out} to rebuild it)")
     log(f"building the embedded tiny model into {out} (one-time warm-up, cached afterwards)")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))  # this build's own: jobs may build at once
     tokenizer = build_tokenizer()
     model = build_random_model(cfg.model, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id,
                                cfg.warmup.seed)
@@ -110,7 +111,12 @@ def ensure_model(cfg: Config, log=print) -> Path:
     warmup(model, tokenizer, read_examples(train_path), cfg, log)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.replace(out)  # atomic: a crash mid-build never leaves a half-written model behind
+    try:
+        tmp.replace(out)  # atomic: a crash mid-build never leaves a half-written model behind
+    except OSError:  # another job's build of the same model took the place first: the same weights
+        if not (out / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

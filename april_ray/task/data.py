@@ -63,8 +63,8 @@ def _check_row(row, where: str, prompt_key: str, answer_key: str, index: int) ->
 
 def _jsonl_rows(path: Path):
     """(line number, text) of each row. UTF-8 with or without a byte-order mark, LF or CRLF line ends;
-    blank lines after the last row are allowed, a blank line between rows is an error."""
-    blank = None
+    blank lines after the last row are allowed, a blank line before or between rows is an error."""
+    blank, rows = None, 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
@@ -76,7 +76,9 @@ def _jsonl_rows(path: Path):
                 blank = blank or lineno
                 continue
             if blank is not None:
-                raise ValueError(f"{path}:{blank}: empty row (a blank line between rows)")
+                where = "between rows" if rows else "before the first row"
+                raise ValueError(f"{path}:{blank}: empty row (a blank line {where})")
+            rows += 1
             yield lineno, line
 
 
@@ -105,15 +107,21 @@ def read_examples(path: str | Path, prompt_key: str = "prompt", answer_key: str 
 
 
 def fit_context(examples: list[Example], encode, max_prompt_tokens: int, policy: str, key: str,
-                log=print) -> list[Example]:
+                log=print, unk_id: int | None = None) -> list[Example]:
     """The examples whose prompt leaves the full response budget in the engine's context: at most
     `max_prompt_tokens` (engine.max_model_len - sampling.max_response_len) tokens. `policy` (the config's
     task.overlong_prompts) `fail`: a ValueError naming the first long row and the key to change; `skip`:
     drop them and warn with their count and first rows (each keeps its `index`, so the cursor of a
-    checkpoint taken on the same file and config stays valid)."""
+    checkpoint taken on the same file and config stays valid). A prompt the tokenizer encodes with its
+    unknown token `unk_id` is a ValueError naming the row and the characters (the policy would not see them)."""
     kept, long = [], []
     for ex in examples:
-        n = len(encode(ex.prompt))
+        ids = encode(ex.prompt)
+        if unk_id is not None and unk_id in ids:
+            unknown = sorted({c for c in ex.prompt if unk_id in encode(c)})
+            raise ValueError(f"{ex.where}: prompt has characters the tokenizer does not know ({''.join(unknown)[:20]!r}): "
+                             f"they would become its unknown token; use a tokenizer that has them, or clean the data")
+        n = len(ids)
         (long if n > max_prompt_tokens else kept).append((ex, n))
     if not long:
         return examples
