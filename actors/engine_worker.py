@@ -22,7 +22,7 @@ from actors.metrics import EngineMetrics
 from actors.refs import fetch_async
 from april_ray.config import EngineConfig, SamplingConfig, StalenessConfig, TaskConfig
 from april_ray.rollout.engine_worker import build_worker
-from april_ray.rollout.monitor import EngineFailure
+from april_ray.engine.base import EngineFailure
 
 
 @ray.remote
@@ -76,8 +76,12 @@ class EngineWorkerActor:
     async def abort_all(self, step) -> int:
         return self.worker.abort_all(step)
 
-    async def update_weights(self, state_dict, version: int) -> dict:
-        """Adopts the weights; returns `status()` (the driver counts a restart from its incarnation)."""
+    async def update_weights(self, state_dict, version: int, incarnation: str | None = None) -> dict:
+        """Adopts the weights; returns `status()` (the driver counts a restart from its incarnation).
+        `incarnation`: the process whose server received weights sent another way; a restarted one refuses."""
+        if incarnation is not None and incarnation != self.incarnation:
+            raise EngineFailure(f"engine {self.index} was restarted (now {self.incarnation}) after its server "
+                                f"in {incarnation} received the weights of version {version}")
         self.worker.update_weights(state_dict, version)
         self.metrics.set_version(version)
         self.version, self.serving = version, True
@@ -86,6 +90,11 @@ class EngineWorkerActor:
     async def server_url(self) -> str:
         """engine.backend=sglang: where this engine's server answers (the learner sends weights there)."""
         return self.worker.engine.url
+
+    async def server_access(self) -> tuple[str, str, str]:
+        """engine.backend=sglang: (URL, admin key) of this engine's server, for a learner to send it weights,
+        and this process's incarnation (`update_weights` checks it)."""
+        return self.worker.engine.url, self.worker.engine.admin_api_key, self.incarnation
 
     async def release_memory(self, tags: list[str]) -> None:
         await self.worker.engine.release_memory_occupation(tags)

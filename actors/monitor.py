@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import ray
 from ray.exceptions import OutOfMemoryError, RayActorError
@@ -9,7 +10,8 @@ from ray.exceptions import OutOfMemoryError, RayActorError
 from actors.metrics import MonitorMetrics
 from actors.refs import SampleRef, as_handles
 from april_ray.config import RolloutConfig
-from april_ray.rollout.monitor import CompletionMonitor, EngineFailure
+from april_ray.engine.base import EngineFailure
+from april_ray.rollout.monitor import CompletionMonitor
 
 
 class RayProxy:
@@ -56,8 +58,7 @@ class CompletionMonitorActor:
     async def step(self, step: int, version: int):
         result = await self.monitor.step(step, version)
         # Groups carried over from the store (after a monitor restart) hold values: give them handles too.
-        result.groups = as_handles(result.groups)
-        result.dropped_groups = as_handles(result.dropped_groups)
+        result = replace(result, groups=as_handles(result.groups), dropped_groups=as_handles(result.dropped_groups))
         self.metrics.record(result.metrics, result.staleness, self.monitor.alive)
         return result
 

@@ -23,7 +23,7 @@ def _fetch(groups):
 @ray.remote(num_cpus=0)
 class StoreActor:
     def __init__(self, staleness: StalenessConfig):
-        self.store = PartialRolloutStore(staleness.max_versions, staleness.policy)
+        self.store = PartialRolloutStore(max_versions=staleness.max_versions, policy=staleness.policy)
         self.metrics = StoreMetrics()
 
     def put_partial(self, groups) -> None:

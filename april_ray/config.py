@@ -9,6 +9,7 @@ nothing writes to the tree after validation.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -143,7 +144,9 @@ class EngineConfig:
     actor's GPUs (the `sglang` extra). cpu: our engine's own server (april_ray/engine/http_server.py), same
     API and client, on CPU."""
     host: str = "127.0.0.1"
-    """sglang backend: the address servers bind to; 0.0.0.0 when learners on other nodes send them weights."""
+    """sglang backend: the address servers bind to. Learners on other nodes need an address they reach
+    (this node's, or 0.0.0.0 on a trusted network); every server needs a key either way (random, per server;
+    README, Security)."""
     tp_size: int = positive(1)
     """sglang backend: tensor-parallel size of each SGLang server (= placement.engine_gpus)."""
     mem_fraction: float = probability(0.8)
@@ -164,10 +167,11 @@ class EngineConfig:
 class SamplingConfig:
     """How responses are sampled, in rollout and in evaluation at temperature 1."""
 
-    temperature: float = non_negative(1.0)
-    """0 means greedy. The learner scores tokens under the same temperature."""
+    temperature: float = _rule(1.0, "0 or a finite number >= 1e-6", lambda v: v == 0 or 1e-6 <= v < float("inf"))
+    """0 means greedy. The learner scores tokens under the same temperature (below 1e-6 logits / temperature
+    overflows float32; SGLang samples such temperatures greedily)."""
     top_p: float = probability(1.0)
-    top_k: int = -1
+    top_k: int = _rule(-1, "-1 or >= 1", lambda v: v == -1 or v >= 1)
     """-1 disables."""
     max_response_len: int = positive(512)
     """Response budget per sample, summed over all its resumes (below engine.max_model_len)."""
@@ -180,19 +184,15 @@ class RolloutConfig:
     rollout_batch_size: int = positive(16)
     """N: complete groups per step (what the learner trains on)."""
     over_sampling_batch_size: int = positive(32)
-    """N': groups kept in flight until N are complete (APRIL only; the sync baseline uses N). At least N."""
+    """N': groups kept in flight until N are complete (april and oversample; sync uses N). At least N."""
     n_samples_per_prompt: int = positive(8)
-    partial_rollout: bool = True
-    """true: APRIL (over-provision, interrupt, recycle). false: the synchronous baseline."""
-    discard_unfinished: bool = False
-    """Only with partial_rollout false: the baseline over-provisions as slime's rollout does without partial
-    rollout (the APRIL paper's baseline): N' groups start the step, and once N are complete the unfinished
-    ones are aborted and discarded with their tokens (their prompts are not retried), as are complete
-    groups beyond N. No top-up, but for the dynamic filter: once its drops leave fewer than N groups that
-    could complete, one fresh group per missing one (slime submits another N' at once). A step that fails
-    keeps everything in the store, as every schedule does. It never resumes what it aborts, so the CPU
-    engine's parking (`engine.park_slots`) only costs it time. false: the baseline keeps N groups in flight
-    and discards nothing."""
+    schedule: str = one_of("april", "april", "sync", "oversample")
+    """april: over-provision N' groups, interrupt once N are complete, recycle the unfinished ones next step.
+    sync: the synchronous baseline, N groups in flight, nothing interrupted. oversample: slime's rollout
+    without partial rollout (the APRIL paper's baseline): N' groups start the step, and once N are complete
+    the unfinished ones are aborted and discarded with their tokens (their prompts are not retried), as
+    are complete groups beyond N; no top-up but for the dynamic filter (one fresh group per one its drops
+    leave missing from N). Every schedule keeps everything in the store when a step fails."""
     dynamic_filter: bool = False
     """DAPO dynamic sampling: drop complete groups whose rewards all agree, and refill their slots."""
     max_filtered_groups: int = positive(256)
@@ -204,9 +204,14 @@ class RolloutConfig:
     current weights) before the step fails, its samples stored."""
 
     @property
-    def schedule(self) -> str:
-        """april, oversample (the over-provisioned baseline, `discard_unfinished`) or sync."""
-        return "april" if self.partial_rollout else "oversample" if self.discard_unfinished else "sync"
+    def over_sampling_factor(self) -> float:
+        """N'/N."""
+        return self.over_sampling_batch_size / self.rollout_batch_size
+
+
+def over_sampling_batch_size(factor: float, rollout_batch_size: int) -> int:
+    """N' for an over-provisioning factor N'/N (never below N)."""
+    return max(rollout_batch_size, round(factor * rollout_batch_size))
 
 
 @dataclass
@@ -225,10 +230,9 @@ class StalenessConfig:
     of the few masked ones, while restart throws whole samples away and can restart a response longer
     than the bound's worth of steps forever (docs/architecture.md, "The life of a sample")."""
 
-    @property
-    def mask_older_than(self) -> int:
-        """The learner's mask: tokens older than this many versions are not trained (-1: none, `keep`)."""
-        return -1 if self.policy == "keep" else self.max_versions
+    def trains(self, age: int) -> bool:
+        """Whether the learner trains a token sampled `age` versions ago (`keep` trains every token)."""
+        return self.policy == "keep" or age <= self.max_versions
 
 
 @dataclass
@@ -378,9 +382,6 @@ def _check_across(cfg: Config) -> None:
         raise ConfigError("learner.num_ranks: colocation puts each rank in an engine's bundle; "
                           "needs learner.num_ranks <= engine.num_engines")
     r = cfg.rollout
-    if r.discard_unfinished and r.partial_rollout:
-        raise ConfigError("rollout.discard_unfinished: the over-provisioned baseline needs rollout.partial_rollout=false "
-                          "(APRIL recycles what it interrupts)")
     if r.over_sampling_batch_size < r.rollout_batch_size:
         raise ConfigError(f"rollout.over_sampling_batch_size: must be >= rollout.rollout_batch_size "
                           f"({r.over_sampling_batch_size} < {r.rollout_batch_size})")
@@ -389,10 +390,32 @@ def _check_across(cfg: Config) -> None:
                           f"prompt in engine.max_model_len {cfg.engine.max_model_len}")
 
 
+def with_rollout(cfg: Config, **changes) -> Config:
+    """`cfg` with its rollout section changed, validated (benchmarks compare schedules on one config)."""
+    return validate(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **changes)))
+
+
 def validate(cfg: Config) -> Config:
     _check_fields(cfg, "")
     _check_across(cfg)
     return cfg
+
+
+RETIRED = {"rollout.partial_rollout": "rollout.schedule (april | sync | oversample)",
+           "rollout.discard_unfinished": "rollout.schedule=oversample"}
+"""Keys that no longer exist -> what replaced them."""
+
+
+def _check_retired(keys) -> None:
+    for key in keys:
+        if key in RETIRED:
+            raise ConfigError(f"{key}: no longer a key; use {RETIRED[key]}")
+
+
+def _dotted_keys(tree, prefix: str = ""):
+    for k, v in (tree.items() if isinstance(tree, dict) else ()):
+        yield f"{prefix}{k}"
+        yield from _dotted_keys(v, f"{prefix}{k}.")
 
 
 def _load_yaml(path: str):
@@ -418,10 +441,13 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         if path:
             if not Path(path).is_file():
                 raise ConfigError(f"config file not found: {path}")
-            merged = OmegaConf.merge(merged, _load_yaml(path))
+            loaded = _load_yaml(path)
+            _check_retired(_dotted_keys(OmegaConf.to_container(loaded)))
+            merged = OmegaConf.merge(merged, loaded)
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r}: expected key=value")
+        _check_retired(item.split("=", 1)[0].lstrip("+") for item in overrides)
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:

@@ -4,26 +4,15 @@ Every generated token carries three facts recorded at the engine: its id, the be
 sampled with, and the policy version of the weights that produced it. Partial samples keep all three and
 are resumed from token ids, never from re-tokenised text: re-tokenising `prompt + response` text can
 change the token count, and with it the remaining budget and the per-token records.
+
+Messages are frozen: a step changes a sample by making a new one (`dataclasses.replace`), so a sample
+that was sent, stored or checkpointed is never changed under its holder.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
-
-
-def with_fields(obj, **changes):
-    """A shallow copy of a message with some fields changed: `dataclasses.replace` without re-running
-    `__init__`, which on the rollout's hot path (a sample and its sampling parameters are copied for every
-    engine call) cost more than the rest of the worker's bookkeeping. List fields are shared: messages
-    replace a list, never change one in place (`Sample.extend`)."""
-    unknown = changes.keys() - obj.__dict__.keys()
-    if unknown:
-        raise TypeError(f"{type(obj).__name__} has no field(s) {sorted(unknown)}")
-    new = object.__new__(type(obj))
-    new.__dict__.update(obj.__dict__)
-    new.__dict__.update(changes)
-    return new
 
 
 class FinishReason(str, enum.Enum):
@@ -32,7 +21,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"    # interrupted; the tokens so far are returned and can be resumed
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     temperature: float = 1.0
     """0 means greedy. Logprobs are reported under softmax(logits / temperature) (raw logits if greedy)."""
@@ -46,7 +35,7 @@ class SamplingParams:
     """Generation ends after any of these is sampled."""
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class GenerateRequest:
     request_id: str
     """Unique per engine among running requests; used to abort one request."""
@@ -55,10 +44,9 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class GenerateOutput:
-    """One request's result. Its lists are the caller's once returned: the engine keeps no reference it
-    could still append to (a sample takes them as they are: `Sample.extend`)."""
+    """One request's result."""
 
     request_id: str
     token_ids: list[int]
@@ -76,7 +64,7 @@ class GenerateOutput:
         return len(self.token_ids)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     num_generated_tokens: int
     """Tokens sampled since the engine started (prefill first tokens included)."""
@@ -107,7 +95,7 @@ class SampleState(str, enum.Enum):
     FINISHED = "finished"  # stop token or budget reached; rewarded
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Sample:
     """One response to one prompt, carried across interruptions as token ids (never as text)."""
 
@@ -140,31 +128,18 @@ class Sample:
         return self.prompt_ids + self.response_ids
 
     def resend(self) -> "Sample":
-        """The copy an engine call extends, counting the call as a resume if the sample has tokens (the
-        original stays as it was sent, for a call that fails). A shallow copy: `extend` replaces the lists."""
-        new = object.__new__(Sample)
-        d = new.__dict__
-        d.update(self.__dict__)
-        if self.response_ids:
-            d["num_resumes"] += 1
-        return new
+        """The sample as an engine call sends it: a call that continues tokens counts as a resume."""
+        return replace(self, num_resumes=self.num_resumes + 1) if self.response_ids else self
 
-    def extend(self, out: GenerateOutput) -> None:
-        """Append an engine result; an aborted result leaves the sample PARTIAL, anything else FINISHED.
-        A sample with no tokens yet takes the output's lists (an engine hands them over: `GenerateOutput`);
-        otherwise new lists replace its own, never changed in place (`resend`'s original keeps them)."""
+    def extended(self, out: GenerateOutput) -> "Sample":
+        """The sample with an engine result appended: PARTIAL if the result was aborted, else FINISHED."""
         assert len(out.token_ids) <= self.remaining_budget, "engine exceeded the remaining budget"
-        if self.response_ids:
-            self.response_ids = self.response_ids + out.token_ids
-            self.logprobs = self.logprobs + out.logprobs
-            self.versions = self.versions + out.versions
-        else:
-            self.response_ids, self.logprobs, self.versions = out.token_ids, out.logprobs, out.versions
-        self.finish_reason = out.finish_reason
-        self.state = SampleState.PARTIAL if out.finish_reason == FinishReason.ABORT else SampleState.FINISHED
+        state = SampleState.PARTIAL if out.finish_reason == FinishReason.ABORT else SampleState.FINISHED
+        return replace(self, response_ids=self.response_ids + out.token_ids, logprobs=self.logprobs + out.logprobs,
+                       versions=self.versions + out.versions, finish_reason=out.finish_reason, state=state)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class SampleMeta:
     """What the monitor reads of a generate call; the Sample itself stays behind an object ref."""
 
@@ -178,7 +153,7 @@ class SampleMeta:
     """Response tokens per policy version (derived from the per-token record, never a side counter)."""
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Group:
     """The `n_samples_per_prompt` samples of one prompt; complete when all of them are FINISHED."""
 
@@ -196,7 +171,7 @@ class Group:
         return all(s.state == SampleState.FINISHED for s in self.samples)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class StepResult:
     """What one rollout step hands the driver: N complete groups, as sample handles (object refs on Ray)."""
 
@@ -213,4 +188,4 @@ class StepResult:
     dropped_groups: list[list[Any]] = field(default_factory=list)
     """Their sample handles, in `dropped` order: filtered groups are kept for the consumer, not discarded."""
     discarded: list[str] = field(default_factory=list)
-    """Ids of the groups the over-provisioned baseline threw away this step (`rollout.discard_unfinished`)."""
+    """Ids of the groups the over-provisioned baseline threw away this step (`rollout.schedule=oversample`)."""

@@ -292,7 +292,7 @@ def read_state(path: Path) -> dict:
     from april_ray.rollout.store import PartialRolloutStore
 
     try:  # the store validates every group and sample before it takes any; this copy is thrown away
-        PartialRolloutStore(0).load_state_dict(state.get("store"), "store")
+        PartialRolloutStore().load_state_dict(state.get("store"), "store")
     except ValueError as e:
         raise CheckpointError(f"{file}: {e}") from None
     return state

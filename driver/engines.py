@@ -7,8 +7,8 @@ very same engines and data.
 An engine whose process dies is restarted by Ray (`max_restarts`) in its own placement-group bundle,
 under the same actor handle, so the monitor, the evaluator and the driver keep addressing it as before.
 The restarted process holds its initial weights and refuses work (actors/engine_worker.py) until
-`catch_up` gives it the latest published weights; `run_step` does that while a rollout step runs and hands
-it back to the monitor. Every other call here skips or retries an engine that is down instead of failing.
+`catch_up` gives it the latest published weights; the rollout step does that while it runs and hands it
+back to the monitor (driver/rollout.py). Every other call here skips or retries an engine that is down instead of failing.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.engine_worker import EngineWorkerActor
 from april_ray.config import Config
 from april_ray.placement import Layout, actor_resources
-from april_ray.rollout.monitor import EngineFailure
+from april_ray.engine.base import EngineFailure
 
 log = logging.getLogger(__name__)
 DOWN = (RayActorError, OutOfMemoryError, EngineFailure)
@@ -130,20 +130,6 @@ class EngineGroup:
             if up or time.monotonic() > deadline:
                 return up
             time.sleep(1.0)
-
-    def run_step(self, monitor, step: int, version: int, poll_s: float = 1.0):
-        """One rollout step of `monitor`; meanwhile, engines it lost are caught up as soon as they are back
-        and handed back to it, so a step goes on (or, with every engine dead, resumes) without waiting for
-        its end. Returns the `StepResult`."""
-        ref = monitor.step.remote(step, version)
-        while True:
-            alive = ray.get(monitor.counters.remote())["alive_engines"]
-            dead = [e for e, ok in enumerate(alive) if not ok]
-            back = self.catch_up(dead, wait_s=poll_s) if dead else []
-            if back:
-                ray.get(monitor.revive.remote(back))
-            if ray.wait([ref], timeout=poll_s)[0]:
-                return ray.get(ref)
 
     def urls(self) -> list[str]:
         """engine.backend=sglang: each engine's server, in engine order."""

@@ -13,16 +13,18 @@ import json
 import time
 from pathlib import Path
 
+from april_ray.config import StalenessConfig
 from april_ray.learn.algorithms import trained_staleness_max
 from april_ray.types import StepResult
 
 
-def staleness_metrics(hist: dict[int, int], mask_older_than: int) -> dict[str, float]:
+def staleness_metrics(hist: dict[int, int], staleness: StalenessConfig) -> dict[str, float]:
     """Batch tokens by age in policy versions, as fractions (rollout/staleness_hist/<age>), and the age of
     the oldest token the learner does not mask (rollout/max_trained_staleness)."""
     total = max(1, sum(hist.values()))
     return {f"rollout/staleness_hist/{age}": n / total for age, n in hist.items()} | {
-        "rollout/max_trained_staleness": trained_staleness_max(hist, mask_older_than)}
+        "rollout/max_trained_staleness": trained_staleness_max(hist, max_versions=staleness.max_versions,
+                                                               policy=staleness.policy)}
 
 
 class PhaseClock:
@@ -46,10 +48,10 @@ class PhaseClock:
 
 
 class GroupLog:
-    def __init__(self, out_dir: Path, mask_older_than: int, fresh: bool = True):
+    def __init__(self, out_dir: Path, staleness: StalenessConfig, fresh: bool = True):
         """`fresh`: a new run starts a new file; a resumed one appends (after the resume truncated it)."""
         self.path = Path(out_dir) / "groups.jsonl"
-        self.mask_older_than = mask_older_than
+        self.staleness = staleness
         if fresh:
             self.path.unlink(missing_ok=True)
 
@@ -61,8 +63,9 @@ class GroupLog:
             "dropped": dict(batch.dropped),
             "discarded": list(batch.discarded),
             "staleness": {str(age): n for age, n in batch.staleness.items()},
-            "mask_older_than": self.mask_older_than,
-            "max_trained_staleness": trained_staleness_max(batch.staleness, self.mask_older_than),
+            "max_versions": self.staleness.max_versions, "policy": self.staleness.policy,
+            "max_trained_staleness": trained_staleness_max(batch.staleness, max_versions=self.staleness.max_versions,
+                                                           policy=self.staleness.policy),
             "engine_crashes": batch.metrics.get("rollout/engine_crashes", 0),
             "crash_tokens_lost": batch.metrics.get("rollout/crash_tokens_lost", 0)})
 

@@ -1,5 +1,6 @@
-"""The rollout actors of a job: prompt source, partial-rollout store and completion monitor, over the
-engines of an `EngineGroup`."""
+"""The rollout of a job: prompt source, partial-rollout store and completion monitor over the engines of
+an `EngineGroup`, and the driver's side of a rollout step (`step`), which also hands engines that died
+and came back to the running step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from actors.monitor import CompletionMonitorActor
 from actors.prompt_source import PromptSourceActor
 from actors.store import StoreActor
 from april_ray.config import Config
+from driver.engines import EngineGroup
 
 
 @dataclass
@@ -17,9 +19,10 @@ class RolloutGroup:
     source: object
     store: object
     monitor: object
+    engines: EngineGroup
 
     @classmethod
-    def start(cls, cfg: Config, model_path: str, train_path: str, engines) -> "RolloutGroup":
+    def start(cls, cfg: Config, model_path: str, train_path: str, engines: EngineGroup) -> "RolloutGroup":
         source = PromptSourceActor.remote(train_path, cfg.task.prompt_key, cfg.task.answer_key, str(model_path),
                                           cfg.rollout.n_samples_per_prompt, cfg.sampling.max_response_len,
                                           cfg.task.seed + 7919 * cfg.train.seed,  # the prompt order
@@ -28,7 +31,21 @@ class RolloutGroup:
         ray.get(source.num_groups_taken.remote())  # a bad dataset row stops the job here, named by file and line
         store = StoreActor.remote(cfg.staleness)
         monitor = CompletionMonitorActor.remote(cfg.rollout, engines.actors, engines.capacities, source, store)
-        return cls(source, store, monitor)
+        return cls(source, store, monitor, engines)
+
+    def step(self, step: int, version: int, poll_s: float = 1.0):
+        """One rollout step (a `StepResult` of sample refs); meanwhile, engines the monitor lost are caught
+        up as soon as they are back and handed back to it, so a step goes on (or, with every engine dead,
+        resumes) without waiting for its end."""
+        ref = self.monitor.step.remote(step, version)
+        while True:
+            alive = ray.get(self.monitor.counters.remote())["alive_engines"]
+            dead = [e for e, ok in enumerate(alive) if not ok]
+            back = self.engines.catch_up(dead, wait_s=poll_s) if dead else []
+            if back:
+                ray.get(self.monitor.revive.remote(back))
+            if ray.wait([ref], timeout=poll_s)[0]:
+                return ray.get(ref)
 
     def shutdown(self) -> None:
         for actor in (self.source, self.store, self.monitor):

@@ -143,7 +143,8 @@ def check_records(out_dir: Path, n_samples: int) -> dict:
         "unknown_groups": len(set(placed) - set(taken)),
         "lost_samples": lost, "duplicated_samples": duplicated,
         "max_trained_staleness": max((trained_staleness_max({int(a): c for a, c in r["staleness"].items()},
-                                                            r["mask_older_than"]) for r in steps), default=0),
+                                                            max_versions=r["max_versions"], policy=r["policy"])
+                                      for r in steps), default=0),
         "engine_crashes_seen": sum(r["engine_crashes"] for r in steps),
         "crash_tokens_lost": sum(r["crash_tokens_lost"] for r in steps),
         "complete_record": end is not None,
@@ -173,9 +174,9 @@ def run_engine_kills(cfg, args) -> dict:
               "accuracy_before": summary.get("accuracy_before"), "accuracy_after": summary.get("accuracy_after"),
               "engine_restarts": last_metric(out, "engine/restarts"), "error": error}
     result |= check_records(out, cfg.rollout.n_samples_per_prompt)
-    bound = cfg.staleness.mask_older_than
+    bounded = cfg.staleness.trains(result["max_trained_staleness"])
     result["ok"] = (error is None and result["steps_completed"] == result["steps"] and not result["lost_samples"]
-                    and not result["duplicated_samples"] and (bound < 0 or result["max_trained_staleness"] <= bound))
+                    and not result["duplicated_samples"] and bounded)
     return result
 
 

@@ -61,12 +61,12 @@ def train(cfg) -> dict:
     train_s, history = 0.0, [(0.0, before["eval/accuracy_t1"])]  # training time excludes evaluation
     clock = PhaseClock()  # seconds per phase of each step, and over the run
 
-    records = GroupLog(out, cfg.staleness.mask_older_than, fresh=not cfg.train.resume)
+    records = GroupLog(out, cfg.staleness, fresh=not cfg.train.resume)
     step = start - 1
     for step in range(start, cfg.train.num_steps):
         clock.start()
-        batch = engines.run_step(rollout.monitor, step, version)         # APRIL rollout, refs only
-        metrics = batch.metrics | staleness_metrics(batch.staleness, cfg.staleness.mask_older_than)
+        batch = rollout.step(step, version)                              # APRIL rollout, refs only
+        metrics = batch.metrics | staleness_metrics(batch.staleness, cfg.staleness)
         metrics |= engines.occupancy_metrics()
         clock.mark("rollout")
         with stop_if_a_rank_dies(out, step):

@@ -96,6 +96,6 @@ def make_rollout_parts(cfg, num_examples=500, seed=0, num_engines=2, cap=16, tic
     pool = LocalPool(workers, [cap] * num_engines, abort_delay)
     source = PromptSource(length_examples(num_examples, seed), lambda text: [int(text)],
                           cfg.rollout.n_samples_per_prompt, cfg.sampling.max_response_len, seed)
-    store = PartialRolloutStore(cfg.staleness.max_versions, cfg.staleness.policy)
+    store = PartialRolloutStore(max_versions=cfg.staleness.max_versions, policy=cfg.staleness.policy)
     rollout = CompletionMonitor(cfg.rollout, pool, LocalProxy(source), LocalProxy(store))
     return rollout, pool, source, store, engines

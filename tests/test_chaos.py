@@ -18,10 +18,11 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def step_row(step, returned, dropped=None, staleness=None, mask=2, crashes=0, lost=0):
+def step_row(step, returned, dropped=None, staleness=None, policy="mask", crashes=0, lost=0):
     return {"step": step, "version": step, "returned": returned,
             "samples": {g: [f"{g}s{i}" for i in range(2)] for g in returned}, "dropped": dropped or {},
-            "staleness": staleness or {"0": 10}, "mask_older_than": mask, "engine_crashes": crashes,
+            "staleness": staleness or {"0": 10}, "max_versions": 2, "policy": policy,
+            "engine_crashes": crashes,
             "crash_tokens_lost": lost}
 
 
@@ -42,12 +43,12 @@ def test_check_records_accounts_for_every_group(tmp_path):
     assert r["lost_samples"] == 0 and r["duplicated_samples"] == 0 and r["unknown_groups"] == 0
     assert r["steps_completed"] == 2 and r["groups_taken"] == 5
     assert r["dropped_reasons"] == {"zero_reward_variance": 1}
-    assert r["max_trained_staleness"] == 2  # age 3 is masked (mask_older_than 2)
+    assert r["max_trained_staleness"] == 2  # age 3 is masked (max_versions 2)
     assert r["engine_crashes_seen"] == 1 and r["crash_tokens_lost"] == 30
 
 
 def test_check_records_finds_lost_and_duplicated_samples(tmp_path):
-    rows = [step_row(0, ["e0p0", "e0p1"]), step_row(1, ["e0p1"], mask=-1, staleness={"5": 1}),
+    rows = [step_row(0, ["e0p0", "e0p1"]), step_row(1, ["e0p1"], policy="keep", staleness={"5": 1}),
             end_row(1, 0, 4, partial=["e0p0"])]  # e0p1 trained twice, e0p0 trained and stored, e0p2/e0p3 lost
     rows[0]["samples"]["e0p0"] = ["e0p0s0"]  # and one sample of e0p0 missing from its group
     r = check_records(write_rows(tmp_path, rows), n_samples=2)
@@ -57,7 +58,7 @@ def test_check_records_finds_lost_and_duplicated_samples(tmp_path):
 
 
 def test_the_records_account_for_the_groups_the_over_provisioned_baseline_discards(tmp_path):
-    """The real monitor with `rollout.discard_unfinished` on fake engines, logged by the job's `GroupLog`:
+    """The real monitor with `rollout.schedule=oversample` on fake engines, logged by the job's `GroupLog`:
     every group taken is returned or discarded, none lost, none counted twice."""
     import asyncio
 
@@ -65,9 +66,9 @@ def test_the_records_account_for_the_groups_the_over_provisioned_baseline_discar
     from tests.fakes import make_rollout_parts
     from tests.test_rollout import cfg
 
-    c = cfg(partial_rollout=False, discard_unfinished=True, over_sampling_batch_size=8)
+    c = cfg(schedule="oversample", over_sampling_batch_size=8)
     monitor, _, source, store, engines = make_rollout_parts(c, seed=5)
-    log = GroupLog(tmp_path, c.staleness.mask_older_than)
+    log = GroupLog(tmp_path, c.staleness)
 
     async def run():
         for step in range(4):
@@ -83,11 +84,14 @@ def test_the_records_account_for_the_groups_the_over_provisioned_baseline_discar
 
 
 @pytest.mark.slow
-def test_chaos_engine_kills_lose_and_repeat_nothing(tmp_path, random_model_dir):
+@pytest.mark.parametrize("config", ["configs/tiny_cpu.yaml", "configs/tiny_cpu_http.yaml"])
+def test_chaos_engine_kills_lose_and_repeat_nothing(tmp_path, random_model_dir, config):
+    """Weights through the object store, and over HTTP broadcast into the engines' servers (a publish that
+    meets a restarting engine leaves it out; the rebuilt group takes it back)."""
     out = tmp_path / "chaos.json"
     # seed 15: the kills come after steps 1 and 2 of 8, so a restarted engine has five steps to be seen back
     # (`engine_restarts` counts the restarts the driver saw before the run ended)
-    cmd = [sys.executable, "-m", "jobs.chaos", "--config", "configs/tiny_cpu.yaml", "--kills", "2", "--seed", "15",
+    cmd = [sys.executable, "-m", "jobs.chaos", "--config", config, "--kills", "2", "--seed", "15",
            "--json", str(out), f"model.path={random_model_dir}", f"model.cache_dir={tmp_path}",
            f"train.output_dir={tmp_path}/out", "task.num_train=300", "task.num_eval=16", "train.num_steps=8",
            "train.eval_every=4", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",

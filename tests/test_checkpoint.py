@@ -36,7 +36,7 @@ def checkpoint_of(out, step, source, store, monitor, version=None):
 
 
 def test_rollout_state_round_trips_through_json_and_the_run_goes_on_exactly_once(tmp_path):
-    c = cfg(max_staleness=100)
+    c = cfg(max_versions=100)
     monitor, _, source, store, engines = make_rollout_parts(c, seed=3)
     first = asyncio.run(run_steps(monitor, source, store, engines, c, 3))
     assert store.partial, "the test needs partial groups in the checkpoint"
@@ -74,7 +74,7 @@ def test_rollout_state_round_trips_through_json_and_the_run_goes_on_exactly_once
 
 
 def partial_state():
-    c = cfg(max_staleness=100)
+    c = cfg(max_versions=100)
     monitor, _, source, store, engines = make_rollout_parts(c, seed=1)
     asyncio.run(run_steps(monitor, source, store, engines, c, 2))
     return json.loads(json.dumps(store.state_dict()))
@@ -92,7 +92,7 @@ def partial_state():
 ])
 def test_store_state_errors_name_the_field_and_change_nothing(edit, message):
     state = partial_state()
-    store = PartialRolloutStore(4)
+    store = PartialRolloutStore(max_versions=4)
     edit(state)
     with pytest.raises(ValueError, match=message):
         store.load_state_dict(state)
@@ -110,7 +110,7 @@ def test_source_state_errors_name_the_field():
 
 
 def test_read_state_errors_name_file_and_field(tmp_path):
-    c = cfg(max_staleness=100)
+    c = cfg(max_versions=100)
     monitor, _, source, store, engines = make_rollout_parts(c, seed=3)
     asyncio.run(run_steps(monitor, source, store, engines, c, 2))
     path = checkpoint_of(tmp_path, 1, source, store, monitor)
@@ -131,7 +131,7 @@ def test_read_state_errors_name_file_and_field(tmp_path):
 
 
 def test_incomplete_checkpoints_fall_back_to_the_last_complete_one_and_say_so(tmp_path):
-    c = cfg(max_staleness=100)
+    c = cfg(max_versions=100)
     monitor, _, source, store, engines = make_rollout_parts(c, seed=3)
     asyncio.run(run_steps(monitor, source, store, engines, c, 1))
     first = checkpoint_of(tmp_path, 9, source, store, monitor)
@@ -167,7 +167,7 @@ def test_a_resume_takes_only_its_own_runs_checkpoints_never_an_earlier_runs(tmp_
     """A fresh job in a directory an earlier run left checkpoints in starts a run of its own; resumed, it
     goes on from its own newest checkpoint, or from step 0 when it has none yet, never from the earlier
     run's (newer-numbered) ones."""
-    c = cfg(max_staleness=100)
+    c = cfg(max_versions=100)
     monitor, _, source, store, engines = make_rollout_parts(c, seed=3)
     asyncio.run(run_steps(monitor, source, store, engines, c, 1))
     old_run = start_run(tmp_path, resume=False)
@@ -263,7 +263,7 @@ def test_a_redone_steps_checkpoint_replaces_the_old_one_without_a_moment_with_ne
     one takes its place: a kill in between leaves the old one, which a resume finds."""
     import driver.checkpoint as ck
 
-    c = cfg(max_staleness=100)
+    c = cfg(max_versions=100)
     monitor, _, source, store, engines = make_rollout_parts(c, seed=3)
     asyncio.run(run_steps(monitor, source, store, engines, c, 1))
     first = checkpoint_of(tmp_path, 9, source, store, monitor)

@@ -270,11 +270,11 @@ def test_restored_kv_gives_the_logprobs_of_a_fresh_forward(policy):
         torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("max_staleness,bumps,reused", [(0, 0, True), (0, 1, False), (1, 1, True), (1, 2, False)])
-def test_parked_kv_is_reused_only_within_the_staleness_bound(policy, max_staleness, bumps, reused):
+@pytest.mark.parametrize("max_versions,bumps,reused", [(0, 0, True), (0, 1, False), (1, 1, True), (1, 2, False)])
+def test_parked_kv_is_reused_only_within_the_staleness_bound(policy, max_versions, bumps, reused):
     model, tok = policy
     engine = LLMEngine(model, max_num_seqs=4, max_model_len=128, num_park_slots=4,
-                       kv_reuse_max_staleness=max_staleness)
+                       max_versions=max_versions)
     [req] = requests(tok, greedy(30), PROMPTS[:1])
     [part] = _abort_after(engine, [req], 4)
     for v in range(1, bumps + 1):
@@ -295,7 +295,7 @@ def test_sequences_parked_with_identical_tokens_all_restore_the_cache(policy):
     re-prefills. Keyed by the ids alone, the second park used to replace the first one's entry and the
     first take removed it: a quarter of APRIL's resumes on the tiny task re-prefilled (N'/N = 1.5)."""
     model, tok = policy
-    engine = LLMEngine(model, max_num_seqs=4, max_model_len=128, num_park_slots=4, kv_reuse_max_staleness=1)
+    engine = LLMEngine(model, max_num_seqs=4, max_model_len=128, num_park_slots=4, max_versions=1)
     ids = tok.encode(PROMPTS[2])
     parts = _abort_after(engine, [GenerateRequest(f"t{i}", ids, greedy(30)) for i in range(3)], 5)
     assert len({tuple(p.token_ids) for p in parts}) == 1  # greedy: identical sequences
@@ -315,7 +315,7 @@ def test_sequences_parked_with_identical_tokens_all_restore_the_cache(policy):
 def test_parked_kv_shares_identical_tokens_keeps_the_fresher_cache_and_evicts_by_recency():
     from april_ray.engine.scheduler import ParkedKV
 
-    p = ParkedKV(first_slot=4, num_slots=2, max_staleness=2)
+    p = ParkedKV(first_slot=4, num_slots=2, max_versions=2)
     slot = p.park([1, 2, 3], version=3)
     assert p.park([1, 2, 3], version=2) is None  # an older cache of the same ids: the parked one serves both
     assert p.park([1, 2, 3], version=4) == slot  # a fresher one is copied over it, in place
@@ -334,7 +334,7 @@ def test_parked_kv_shares_identical_tokens_keeps_the_fresher_cache_and_evicts_by
 
 def test_kv_reuse_can_be_switched_off_and_on_at_run_time(policy):
     model, tok = policy
-    engine = LLMEngine(model, max_num_seqs=4, max_model_len=128, num_park_slots=4, kv_reuse_max_staleness=3)
+    engine = LLMEngine(model, max_num_seqs=4, max_model_len=128, num_park_slots=4, max_versions=3)
     [a, b] = requests(tok, greedy(30), PROMPTS[:2])
     [part_a] = _abort_after(engine, [a], 4)
     engine.set_kv_reuse(False)  # a's cache stays parked, but nothing is parked or restored now
@@ -428,7 +428,7 @@ def test_throughput_probe_counts_its_window_and_leaves_nothing_behind(policy):
     from april_ray.rollout.engine_worker import EngineWorker
 
     model, tok = policy
-    core = LLMEngine(model, max_num_seqs=4, max_model_len=256, num_park_slots=4, kv_reuse_max_staleness=1)
+    core = LLMEngine(model, max_num_seqs=4, max_model_len=256, num_park_slots=4, max_versions=1)
     _abort_after(core, requests(tok, greedy(100), PROMPTS[:1]), 3)
     assert core.stats().num_parked == 1
     worker = EngineWorker(AsyncEngine(core), tok.decode, lambda *a: 0.0, SamplingParams(max_new_tokens=200))

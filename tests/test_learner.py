@@ -1,8 +1,10 @@
 """The learner on CPU without Ray: batch layout, advantages, a real optimiser step (torch and DeepSpeed)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
-from april_ray.config import AlgorithmConfig, LearnerConfig
+from april_ray.config import AlgorithmConfig, LearnerConfig, StalenessConfig
 from april_ray.learn.learner import Learner, advantages_for, collate, token_logprobs
 from april_ray.types import FinishReason, Sample, SampleState
 
@@ -67,12 +69,9 @@ def test_torch_learner_step_changes_weights_and_reports_metrics(random_model_dir
 
 def test_stale_tokens_are_reported_and_masked(random_model_dir):
     learner = Learner(str(random_model_dir), LearnerConfig(backend="torch"), AlgorithmConfig(),
-                      temperature=1.0, max_response_len=32, mask_older_than=1)
+                      temperature=1.0, max_response_len=32, staleness=StalenessConfig(max_versions=1))
     samples = batch_from_policy(random_model_dir)
-    for s in samples[:4]:
-        s.versions = [0] * len(s.response_ids)
-    for s in samples[4:]:
-        s.versions = [3] * len(s.response_ids)
+    samples = [replace(s, versions=[0 if i < 4 else 3] * len(s.response_ids)) for i, s in enumerate(samples)]
     m = learner.train_step(samples, version=3)
     assert m["off_policy/token_ratio"] == pytest.approx(m["off_policy/masked_token_ratio"]) and m["off_policy/staleness_max"] == 3
 
@@ -121,11 +120,9 @@ def gradients_of_one_step(learner, samples, version=0):
 def stale_batch(model_dir):
     """Policy-scored samples with varied lengths, behaviour logprobs shifted (so IS weights differ from 1)."""
     samples = batch_from_policy(model_dir, n_groups=3, n=4)
-    for k, s in enumerate(samples):
-        s.response_ids = s.response_ids + [7] * (3 * k)
-        s.logprobs = [lp - 0.1 * (k % 3) for lp in s.logprobs] + [-2.0] * (3 * k)
-        s.versions = [k % 2] * len(s.response_ids)
-    return samples
+    return [replace(s, response_ids=s.response_ids + [7] * (3 * k),
+                    logprobs=[lp - 0.1 * (k % 3) for lp in s.logprobs] + [-2.0] * (3 * k),
+                    versions=[k % 2] * (len(s.response_ids) + 3 * k)) for k, s in enumerate(samples)]
 
 
 @pytest.mark.parametrize("name", ["grpo", "dapo", "gspo"])
@@ -136,7 +133,7 @@ def test_loss_and_gradients_do_not_depend_on_the_micro_batching(random_model_dir
     results = []
     for budget, spread in ((1 << 20, 1e9), (60, 1.2), (200, 2.0)):
         learner = Learner(str(random_model_dir), LearnerConfig(backend="torch", micro_batch_tokens=budget,
-                                                               max_spread=spread), algo, 1.0, 32, mask_older_than=0)
+                                                               max_spread=spread), algo, 1.0, 32, staleness=StalenessConfig(max_versions=0))
         results.append(gradients_of_one_step(learner, samples, version=1))
     (one, m_one), *others = results
     assert m_one["train/num_micro_batches"] == 1
@@ -202,12 +199,12 @@ def test_off_policy_metrics_count_every_response_token_however_the_batch_is_cut(
                       logprobs=[-1.0] * n, versions=[version] * n, state=SampleState.FINISHED,
                       finish_reason=FinishReason.STOP, reward=float(i % 2))
 
-    # fresh short samples (version 3) and stale long ones (version 0, older than mask_older_than=1)
+    # fresh short samples (version 3) and stale long ones (version 0, older than staleness=StalenessConfig(max_versions=1))
     samples = [sample(0, 4, 3), sample(1, 4, 3), sample(2, 40, 0), sample(3, 40, 0)]
     metrics = {}
     for tokens, spread in ((1024, 100.0), (96, 2.0)):  # one micro-batch, then the fresh and the stale ones apart
         cfg = LearnerConfig(backend="torch", micro_batch_tokens=tokens, max_spread=spread)
-        learner = Learner(str(random_model_dir), cfg, AlgorithmConfig(), 1.0, 64, mask_older_than=1)
+        learner = Learner(str(random_model_dir), cfg, AlgorithmConfig(), 1.0, 64, staleness=StalenessConfig(max_versions=1))
         assert len(learner.micro_batches(samples)[0]) == (1 if tokens == 1024 else 2)
         metrics[tokens] = learner.train_step(samples, version=3)
     for m in metrics.values():

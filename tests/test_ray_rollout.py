@@ -100,7 +100,7 @@ def test_april_steps_on_two_engine_workers(local_ray, tmp_path, model_dir, engin
 
 
 def test_sync_baseline_on_ray_stores_nothing(local_ray, tmp_path, model_dir, engines_of):
-    cfg = small_cfg(tmp_path, "rollout.partial_rollout=false", "rollout.over_sampling_batch_size=4")
+    cfg = small_cfg(tmp_path, "rollout.schedule=sync", "rollout.over_sampling_batch_size=4")
     engines = engines_of(cfg, model_dir)
     actors, results = run_steps(cfg, model_dir, engines, 2)
     assert ray.get(actors.store.size.remote()) == 0
@@ -192,7 +192,7 @@ def test_samples_aborted_by_someone_else_mid_step_are_resumed_in_the_same_step(l
 
 def test_an_engine_sigkilled_mid_step_is_restarted_caught_up_and_the_run_goes_on(local_ray, tmp_path, model_dir,
                                                                                    engines_of):
-    """The training loop's rollout (`EngineGroup.run_step`) while an engine process is SIGKILLed in the
+    """The training loop's rollout (`RolloutGroup.step`) while an engine process is SIGKILLed in the
     middle of a step: the monitor re-dispatches its samples, Ray restarts it in its bundle under the same
     handle, it refuses work until it holds the current weights, the driver catches it up and hands it back,
     and every step completes with nothing lost or repeated."""
@@ -220,7 +220,7 @@ def test_an_engine_sigkilled_mid_step_is_restarted_caught_up_and_the_run_goes_on
         if step == 1:  # mid-step: the kill lands once the victim runs requests of a step (a step whose
             # batch is all surplus groups carried over from the one before runs nothing, so not always step 1)
             threading.Thread(target=kill_when_busy, daemon=True).start()
-        result = engines.run_step(actors.monitor, step, step)
+        result = actors.step(step, step)
         crashes.append(result.metrics["rollout/engine_crashes"])
         samples = fetch([h for group in result.groups for h in group])
         assert len(result.groups) == cfg.rollout.rollout_batch_size
@@ -237,7 +237,7 @@ def test_an_engine_sigkilled_mid_step_is_restarted_caught_up_and_the_run_goes_on
     while len(engines.catch_up([0, 1], wait_s=2.0)) < 2 and time.time() < deadline:
         time.sleep(1.0)
     engines.stats()
-    engines.run_step(actors.monitor, 6, 6)
+    actors.step(6, 6)
     after = ray.get(engines.actors[victim].status.remote())
     assert after["pid"] != before["pid"] and after["incarnation"] != before["incarnation"] and engines.restarts == 1
     assert after["serving"] and after["version"] == 6  # caught up to the version published while it was down

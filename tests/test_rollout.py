@@ -10,11 +10,11 @@ from april_ray.types import SampleState
 from tests.fakes import TOKEN, make_rollout_parts
 
 
-def cfg(max_response_len=300, max_staleness=4, stale_policy="keep", **kw):
+def cfg(max_response_len=300, max_versions=4, policy="keep", **kw):
     """A root config: the monitor's section from `kw`, the response budget and the staleness bound."""
     base = dict(rollout_batch_size=4, over_sampling_batch_size=8, n_samples_per_prompt=4)
     return Config(rollout=RolloutConfig(**{**base, **kw}), sampling=SamplingConfig(max_response_len=max_response_len),
-                  staleness=StalenessConfig(max_staleness, stale_policy))
+                  staleness=StalenessConfig(max_versions=max_versions, policy=policy))
 
 
 def returned_samples(result):
@@ -53,7 +53,7 @@ async def run_steps(rollout, source, store, engines, c, num_steps, bump_version=
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("abort_delay", [0.0, 0.003])
 def test_april_many_steps_nothing_lost_or_duplicated(seed, abort_delay):
-    c = cfg(max_staleness=100)
+    c = cfg(max_versions=100)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=seed, abort_delay=abort_delay)
     results = asyncio.run(run_steps(rollout, source, store, engines, c, 12))
     assert any(r.metrics["rollout/groups_resumed"] > 0 for r in results)
@@ -72,7 +72,7 @@ def test_april_many_steps_nothing_lost_or_duplicated(seed, abort_delay):
 
 
 def test_resume_continues_with_remaining_budget_across_steps():
-    c = cfg(max_response_len=60, over_sampling_batch_size=12, max_staleness=100)
+    c = cfg(max_response_len=60, over_sampling_batch_size=12, max_versions=100)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=4, tick=0.001)
     results = asyncio.run(run_steps(rollout, source, store, engines, c, 10))
     capped = [s for r in results for s in returned_samples(r) if s.prompt_ids[0] > 60]
@@ -81,7 +81,7 @@ def test_resume_continues_with_remaining_budget_across_steps():
 
 
 def test_sync_baseline_waits_for_every_group_and_stores_nothing():
-    c = cfg(partial_rollout=False, over_sampling_batch_size=4)
+    c = cfg(schedule="sync", over_sampling_batch_size=4)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=5)
     results = asyncio.run(run_steps(rollout, source, store, engines, c, 4))
     assert len(store) == 0 and source.num_groups_taken == 16
@@ -93,7 +93,7 @@ def test_over_provisioned_baseline_discards_what_it_interrupts():
     """slime's rollout without partial rollout (the APRIL paper's baseline): N' groups start each step, no
     top-up, and at the N-th complete group the rest are aborted and thrown away, tokens and prompts, with
     any surplus complete group: counted as dropped, never stored, never returned; every token on-policy."""
-    c = cfg(partial_rollout=False, discard_unfinished=True, over_sampling_batch_size=8)
+    c = cfg(schedule="oversample", over_sampling_batch_size=8)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=5)
     results = asyncio.run(run_steps(rollout, source, store, engines, c, 4))
     assert len(store) == 0 and all(r.metrics["rollout/groups_partial"] == 0 for r in results)
@@ -115,7 +115,7 @@ def test_over_provisioned_baseline_with_the_dynamic_filter_refills_only_to_reach
     def reward(prompt, text, answer):  # every third prompt is "too easy": all its samples score 1
         return 1.0 if answer == "True" else float(rng.random() < 0.5)
 
-    c = cfg(partial_rollout=False, discard_unfinished=True, dynamic_filter=True, over_sampling_batch_size=6)
+    c = cfg(schedule="oversample", dynamic_filter=True, over_sampling_batch_size=6)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=8, reward_fn=reward)
     results = asyncio.run(run_steps(rollout, source, store, engines, c, 6))
     assert sum(len(r.dropped) for r in results) > 0 and len(store) == 0
@@ -126,19 +126,23 @@ def test_over_provisioned_baseline_with_the_dynamic_filter_refills_only_to_reach
     assert rollout.num_dropped_groups == sum(len(r.dropped) + len(r.discarded) for r in results)
 
 
-def test_discarding_is_the_baselines_alone():
-    """Refused with APRIL by the config and by the monitor; a benchmark mode that picks APRIL or sync from a
-    config that asks for the discarding baseline gets the plain schedule."""
-    from april_ray.config import ConfigError, validate
-    from jobs.bench.rollout import with_rollout
+def test_the_schedule_is_one_field_and_the_old_keys_name_it(tmp_path):
+    """`rollout.schedule` holds the three schedules; the two retired booleans fail at start naming it, from a
+    file or an override; a benchmark mode that picks a schedule gets exactly that one."""
+    from april_ray.config import ConfigError, load_config, validate, with_rollout
 
-    with pytest.raises(ConfigError, match="rollout.discard_unfinished"):
-        validate(cfg(partial_rollout=True, discard_unfinished=True))
-    with pytest.raises(ValueError, match="rollout.discard_unfinished"):
-        make_rollout_parts(cfg(partial_rollout=True, discard_unfinished=True))
-    baseline = cfg(partial_rollout=False, discard_unfinished=True)
-    assert with_rollout(baseline, partial_rollout=True).rollout.schedule == "april"
-    assert with_rollout(baseline, partial_rollout=False).rollout.schedule == "sync"
+    with pytest.raises(ConfigError, match="rollout.schedule: must be one of april, sync, oversample"):
+        validate(cfg(schedule="discard"))
+    for override in ("rollout.partial_rollout=false", "rollout.discard_unfinished=true"):
+        with pytest.raises(ConfigError, match=rf"{override.split('=')[0]}: no longer a key; use rollout.schedule"):
+            load_config(None, [override])
+    path = tmp_path / "old.yaml"
+    path.write_text("rollout:\n  partial_rollout: false\n")
+    with pytest.raises(ConfigError, match="rollout.partial_rollout: no longer a key; use rollout.schedule"):
+        load_config(str(path))
+    baseline = cfg(schedule="oversample")
+    assert with_rollout(baseline, schedule="april").rollout.schedule == "april"
+    assert with_rollout(baseline, schedule="sync").rollout.schedule == "sync"
     assert with_rollout(baseline, rollout_batch_size=2).rollout.schedule == "oversample"
 
 
@@ -151,7 +155,7 @@ def test_dispatch_balances_load_across_engines():
 
 
 def test_aborts_racing_completions_keep_surplus_groups_for_next_step():
-    c = cfg(rollout_batch_size=4, over_sampling_batch_size=16, n_samples_per_prompt=2, max_staleness=100)
+    c = cfg(rollout_batch_size=4, over_sampling_batch_size=16, n_samples_per_prompt=2, max_versions=100)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=7, abort_delay=0.02, cap=64)
 
     async def main():
@@ -176,7 +180,7 @@ def test_dynamic_filter_drops_uniform_groups_with_reason_and_refills():
     def reward(prompt, text, answer):  # every third prompt is "too easy": all its samples score 1
         return 1.0 if answer == "True" else float(rng.random() < 0.5)
 
-    c = cfg(dynamic_filter=True, max_staleness=100)
+    c = cfg(dynamic_filter=True, max_versions=100)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=8, reward_fn=reward)
     results = asyncio.run(run_steps(rollout, source, store, engines, c, 4))
     assert all(set(r.dropped.values()) <= {"zero_reward_variance"} for r in results)
@@ -200,7 +204,7 @@ def test_dynamic_filter_that_drops_everything_fails_clearly_and_keeps_samples():
 
 
 def test_engine_death_mid_step_redispatches_without_loss():
-    c = cfg(max_staleness=100)
+    c = cfg(max_versions=100)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=9, tick=0.001)
 
     async def main():
@@ -220,21 +224,21 @@ def test_engine_death_mid_step_redispatches_without_loss():
 def test_a_failing_engine_call_stores_every_sample_then_fails_the_step():
     """A call that fails for any reason but a dead engine (a bug, a bad sample) is not resent: the step
     aborts and drains the rest, stores every group with the samples as they were sent, and raises."""
-    c = cfg(max_staleness=100)
+    c = cfg(max_versions=100)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=4, tick=0.001)
     asyncio.run(rollout.step(0, 0))
     calls = []
 
-    def failing_third(start_group):
-        def call(samples, step, done):
+    def failing_third(generate_group):
+        async def call(samples, step):
             calls.append(step)
             if len(calls) != 3:
-                return start_group(samples, step, done)
-            raise ValueError("bad sample")  # (the in-process pool fails the call's future with it)
+                return await generate_group(samples, step)
+            raise ValueError("bad sample")
         return call
 
     for w in pool.workers:
-        w.start_group = failing_third(w.start_group)
+        w.generate_group = failing_third(w.generate_group)
     before = {g.group_id: [s.state for s in g.samples] for g in store.partial.values()}
     with pytest.raises(RuntimeError, match="an engine call failed: group .* ValueError"):
         asyncio.run(rollout.step(1, 1))
@@ -242,7 +246,7 @@ def test_a_failing_engine_call_stores_every_sample_then_fails_the_step():
     assert all(not e.running for e in engines) and rollout.alive == [True, True]
     assert set(before) <= set(store.partial) | {g.group_id for g in store.complete}
     for w in pool.workers:  # the next step goes on with every group
-        del w.start_group
+        del w.generate_group
     result = asyncio.run(rollout.step(2, 2))
     check_invariants(result, rollout, source, store, c, set())
 
@@ -255,7 +259,7 @@ def test_store_staleness_restart_and_keep():
                    versions=versions, state=SampleState.PARTIAL)
         return Group("g", 0, [s])
 
-    store = PartialRolloutStore(max_staleness=2, stale_policy="restart")
+    store = PartialRolloutStore(max_versions=2, policy="restart")
     store.put_partial([group([1, 1, 3])])
     [g] = store.take_partial(5, version=4)  # 4 - 1 > 2: restarted from the prompt
     s = g.samples[0]
@@ -263,7 +267,7 @@ def test_store_staleness_restart_and_keep():
     store.put_partial([group([2, 3])])
     [g] = store.take_partial(5, version=4)  # 4 - 2 = 2: within the bound, resumed as is
     assert g.samples[0].response_ids == [7, 7]
-    keep = PartialRolloutStore(max_staleness=0, stale_policy="keep")
+    keep = PartialRolloutStore(max_versions=0, policy="keep")
     keep.put_partial([group([0])])
     assert keep.take_partial(1, version=9)[0].samples[0].versions == [0]
 
@@ -271,7 +275,7 @@ def test_store_staleness_restart_and_keep():
 def test_store_hands_out_oldest_first():
     from april_ray.types import Group, Sample
 
-    store = PartialRolloutStore(max_staleness=5)
+    store = PartialRolloutStore(max_versions=5)
     for i in range(4):
         s = Sample(f"g{i}/0", f"g{i}", "p", "a", [1], 10, response_ids=[7], logprobs=[0.0], versions=[0],
                    state=SampleState.PARTIAL)
@@ -282,7 +286,7 @@ def test_store_hands_out_oldest_first():
 def test_save_restore_mid_run_loses_and_repeats_nothing():
     import pickle
 
-    c = cfg(max_staleness=100)
+    c = cfg(max_versions=100)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=10)
     first = asyncio.run(run_steps(rollout, source, store, engines, c, 3))
     saved = pickle.dumps((source.state_dict(), store.state_dict(), rollout.num_returned_groups))
@@ -315,7 +319,7 @@ def test_save_restore_mid_run_loses_and_repeats_nothing():
 
 def test_resumed_groups_go_back_to_the_engine_that_ran_them():
     """Their KV caches may be parked there; with room on that engine, the dispatcher sends them back."""
-    c = cfg(max_staleness=100)
+    c = cfg(max_versions=100)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=3, cap=64)
 
     async def main():
@@ -356,7 +360,7 @@ def test_a_store_found_empty_is_not_asked_again_in_the_same_step():
 def test_engines_all_dead_mid_step_wait_for_revival_and_lose_nothing():
     """Both engines die mid-step: their samples wait, the step resumes when one is restarted and handed
     back (`revive`), and the crashes and the work thrown away are counted."""
-    c = cfg(max_staleness=100, engine_wait_s=5.0)
+    c = cfg(max_versions=100, engine_wait_s=5.0)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=9, tick=0.001)
 
     async def main():
@@ -393,7 +397,7 @@ def test_engines_all_dead_mid_step_wait_for_revival_and_lose_nothing():
 
 
 def test_no_engine_back_in_time_fails_the_step_with_every_sample_stored():
-    c = cfg(max_staleness=100, engine_wait_s=0.05)
+    c = cfg(max_versions=100, engine_wait_s=0.05)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=9, tick=0.001)
     asyncio.run(rollout.step(0, 0))
 
@@ -419,8 +423,7 @@ def test_mask_bounds_every_trained_token_also_finished_members_and_surplus():
     from april_ray.learn.learner import collate
 
     bound = 1
-    c = cfg(max_response_len=300, max_staleness=bound, stale_policy="mask", over_sampling_batch_size=16)
-    assert c.staleness.mask_older_than == bound
+    c = cfg(max_response_len=300, max_versions=bound, policy="mask", over_sampling_batch_size=16)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=2, tick=0.0005)
     results = asyncio.run(run_steps(rollout, source, store, engines, c, 10))
     stale_finished, masked = 0, 0
@@ -428,12 +431,12 @@ def test_mask_bounds_every_trained_token_also_finished_members_and_surplus():
         samples = returned_samples(r)
         batch = collate(samples, pad_id=0)
         _, keep, _ = off_policy_weights(batch["behaviour_logp"], batch["behaviour_logp"], batch["versions"], r.step,
-                                        batch["mask"], 2.0, c.staleness.mask_older_than)
+                                        batch["mask"], tis_cap=2.0, max_versions=bound, policy="mask")
         age = (r.step - batch["versions"]) * batch["mask"]
         assert not (keep * (age > bound)).any()  # nothing older than the bound is trained
         assert (keep == batch["mask"] * (age <= bound)).all()  # and everything within it is
         masked += int((batch["mask"] - keep).sum())
-        assert trained_staleness_max(r.staleness, c.staleness.mask_older_than) <= bound
+        assert trained_staleness_max(r.staleness, max_versions=bound, policy="mask") <= bound
         stale_finished += sum(1 for s in samples if s.versions and r.step - s.versions[0] > bound)
     assert masked > 0 and stale_finished > 0, "the run should have trained some stale tokens to mask"
 
@@ -444,15 +447,19 @@ def test_trained_staleness_max_and_the_mask_per_policy_by_hand():
     from april_ray.learn.algorithms import off_policy_weights, trained_staleness_max
 
     hist = {0: 10, 2: 5, 4: 3, 7: 1, 9: 0}
-    assert trained_staleness_max(hist, -1) == 7  # keep: every token is trained (9 has none)
-    assert trained_staleness_max(hist, 4) == 4 and trained_staleness_max(hist, 3) == 2
-    assert trained_staleness_max(hist, 0) == 0 and trained_staleness_max({}, 4) == 0
-    assert [StalenessConfig(3, p).mask_older_than for p in ("keep", "restart", "mask")] == [-1, 3, 3]
+    def trained_max(h, bound, policy="mask"):
+        return trained_staleness_max(h, max_versions=bound, policy=policy)
+
+    assert trained_max(hist, 0, "keep") == 7  # keep: every token is trained (9 has none)
+    assert trained_max(hist, 4) == 4 and trained_max(hist, 3) == 2 and trained_max(hist, 3, "restart") == 2
+    assert trained_max(hist, 0) == 0 and trained_max({}, 4) == 0
+    assert [StalenessConfig(max_versions=3, policy=p).trains(4) for p in ("keep", "restart", "mask")] == [True, False, False]
+    assert all(StalenessConfig(max_versions=3, policy=p).trains(3) for p in ("keep", "restart", "mask"))
     assert StalenessConfig().policy == "mask"
     versions = torch.tensor([[5, 5, 7, 8, 0], [2, 3, 6, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.float)
     logp = torch.zeros(2, 5)
-    _, keep, m = off_policy_weights(logp, logp, versions, 8, mask, 2.0, 2)  # trained at version 8, bound 2
+    _, keep, m = off_policy_weights(logp, logp, versions, 8, mask, tis_cap=2.0, max_versions=2, policy="mask")  # trained at version 8, bound 2
     assert keep.tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 0, 0]]  # ages 3 3 1 0 | 6 5 2
     assert m["off_policy/masked_token_ratio"] == pytest.approx(4 / 7)
 
@@ -472,7 +479,13 @@ def test_version_counts_are_exact_for_runs_and_for_lists_out_of_order():
     import random
     from collections import Counter
 
-    from april_ray.rollout.engine_worker import version_counts
+    from april_ray.rollout.engine_worker import sample_meta
+    from april_ray.types import Sample
+
+    def version_counts(versions):
+        s = Sample("g0s0", "g0", "p", "a", [1], 40, response_ids=[7] * len(versions), logprobs=[0.0] * len(versions),
+                   versions=versions, state=SampleState.PARTIAL)
+        return sample_meta(s, 0).version_counts
 
     assert version_counts([]) == {}
     assert version_counts([4, 4, 4]) == {4: 3}
@@ -480,7 +493,6 @@ def test_version_counts_are_exact_for_runs_and_for_lists_out_of_order():
     # runs whose value recurs later, or a list in descending order, are counted in full, oldest first
     assert list(version_counts([1, 1, 2, 1]).items()) == [(1, 3), (2, 1)]
     assert list(version_counts([5, 5, 3, 3]).items()) == [(3, 2), (5, 2)]
-    # two versions, in order or not, and three whose ends alone do not add up
     assert list(version_counts([3, 3, 7]).items()) == [(3, 2), (7, 1)]
     assert list(version_counts([2, 1, 2, 1, 1]).items()) == [(1, 3), (2, 2)]
     assert list(version_counts([1, 2, 3, 3]).items()) == [(1, 1), (2, 1), (3, 2)]
@@ -491,26 +503,23 @@ def test_version_counts_are_exact_for_runs_and_for_lists_out_of_order():
             assert list(version_counts(versions).items()) == sorted(Counter(versions).items())
 
 
-def test_a_resent_sample_is_a_copy_and_sampling_parameters_per_budget_are_shared():
+def test_a_resent_and_extended_sample_is_a_new_one_and_the_original_stays_as_sent():
     import dataclasses
 
-    from april_ray.types import FinishReason, GenerateOutput, Sample, SamplingParams
+    from april_ray.types import FinishReason, GenerateOutput, Sample
 
     s = Sample("g0s0", "g0", "p", "a", [1, 2], 8)
     fresh = s.resend()
-    assert fresh is not s and fresh.num_resumes == 0 and fresh.response_ids is s.response_ids
-    fresh.extend(GenerateOutput("r", [7, 8], [-1.0, -1.0], [0, 0], FinishReason.ABORT))
+    assert fresh.num_resumes == 0 and fresh.response_ids == []
+    part = fresh.extended(GenerateOutput("r", [7, 8], [-1.0, -1.0], [0, 0], FinishReason.ABORT))
+    assert part.state == SampleState.PARTIAL and part.response_ids == [7, 8]
     assert s.response_ids == [] and s.state == SampleState.QUEUED  # the original is as it was sent
-    again = fresh.resend()
-    assert again.num_resumes == 1 and fresh.num_resumes == 0 and again.input_ids == [1, 2, 7, 8]
-
-    from april_ray.rollout.engine_worker import sampling_for
-
-    sp = SamplingParams(temperature=0.5, max_new_tokens=8)
-    assert sampling_for(sp, 6) is sampling_for(sp, 6)
-    assert (sampling_for(sp, 6).max_new_tokens, sampling_for(sp, 6).temperature, sp.max_new_tokens) == (6, 0.5, 8)
-    greedy = dataclasses.replace(sp, temperature=0.0)
-    assert sampling_for(greedy, 6).temperature == 0.0 and sampling_for(sp, 6).temperature == 0.5
+    again = part.resend()
+    assert again.num_resumes == 1 and part.num_resumes == 0 and again.input_ids == [1, 2, 7, 8]
+    done = again.extended(GenerateOutput("r", [9], [-0.5], [1], FinishReason.STOP))
+    assert done.state == SampleState.FINISHED and done.versions == [0, 0, 1] and part.response_ids == [7, 8]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.reward = 1.0
 
 
 def test_a_failed_step_keeps_no_handle_of_the_groups_it_dropped():
@@ -518,7 +527,7 @@ def test_a_failed_step_keeps_no_handle_of_the_groups_it_dropped():
     finished samples (each pins its call's result) go with them, as after a step that succeeds."""
     from april_ray.rollout.monitor import StepFailed
 
-    c = cfg(max_staleness=100)
+    c = cfg(max_versions=100)
     monitor, _, source, store, engines = make_rollout_parts(c, seed=3, cap=6)
 
     async def main():

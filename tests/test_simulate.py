@@ -239,7 +239,7 @@ def test_kv_capacity_holds_requests_back_and_never_overflows():
 def test_running_rows_capped_and_parked_cache_skips_the_prefill():
     async def main(loop):
         e = SimEngine(FLAT, Lengths(40), max_num_seqs=2, kv_capacity=10_000, max_prefill_tokens=1000,
-                      park_slots=4, stale_kv_versions=1)
+                      park_slots=4, max_versions=1)
         tasks = [asyncio.ensure_future(e.generate(request(f"s{i}@0"))) for i in range(3)]
         await asyncio.sleep(0.055)
         assert len(e.running) == 2 and len(e.waiting) == 1
@@ -321,7 +321,7 @@ def test_padded_attention_is_the_cpu_engines_over_rows_grouped_by_span_class():
 def test_parked_caches_past_the_staleness_bound_free_their_slots():
     async def main(loop):
         e = SimEngine(FLAT, Lengths(40), max_num_seqs=2, kv_capacity=10_000, max_prefill_tokens=1000,
-                      park_slots=4, stale_kv_versions=1)
+                      park_slots=4, max_versions=1)
         task = asyncio.ensure_future(e.generate(request("s0@0")))
         await asyncio.sleep(0.055)
         e.abort_all()
@@ -345,7 +345,7 @@ def small_setting(cost=FLAT, engines=2, lengths=None, block=1, max_len=400, stal
 
 def rollout(n=4, factor=None, dynamic_filter=False):
     return RolloutConfig(rollout_batch_size=n, over_sampling_batch_size=n if factor is None else int(factor * n),
-                         n_samples_per_prompt=4, partial_rollout=factor is not None, dynamic_filter=dynamic_filter)
+                         n_samples_per_prompt=4, schedule="april" if factor is not None else "sync", dynamic_filter=dynamic_filter)
 
 
 @pytest.mark.parametrize("factor", [None, 1.0, 2.0])

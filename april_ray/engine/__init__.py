@@ -13,12 +13,12 @@ if TYPE_CHECKING:  # the HTTP server and the GPU tests import this package where
     from april_ray.config import EngineConfig
 
 
-def build_engine(cfg: EngineConfig, model_path: str, version: int = 0, stale_kv_versions: int = 0):
-    """`stale_kv_versions`: how many versions old a parked KV cache may be and still be reused."""
-    return BACKENDS[cfg.backend](cfg, model_path, version, stale_kv_versions)
+def build_engine(cfg: EngineConfig, model_path: str, version: int = 0, max_versions: int = 0):
+    """`max_versions`: how many versions old a parked KV cache may be and still be reused."""
+    return BACKENDS[cfg.backend](cfg, model_path, version, max_versions=max_versions)
 
 
-def _cpu_engine(cfg: EngineConfig, model_path: str, version: int, stale_kv_versions: int):
+def _cpu_engine(cfg: EngineConfig, model_path: str, version: int, max_versions: int):
     import torch
 
     from april_ray.engine.async_engine import AsyncEngine
@@ -28,10 +28,10 @@ def _cpu_engine(cfg: EngineConfig, model_path: str, version: int, stale_kv_versi
     torch.set_num_threads(cfg.num_threads)
     model, _ = load_policy(model_path)
     return AsyncEngine(LLMEngine(model, cfg.max_num_seqs, cfg.max_model_len, cfg.max_prefill_tokens,
-                                 cfg.seed, version, cfg.park_slots, stale_kv_versions))
+                                 cfg.seed, version, num_park_slots=cfg.park_slots, max_versions=max_versions))
 
 
-def _http_engine(cfg: EngineConfig, model_path: str, version: int, stale_kv_versions: int):
+def _http_engine(cfg: EngineConfig, model_path: str, version: int, max_versions: int):
     """Start the configured server in this process's resources (Ray's CUDA_VISIBLE_DEVICES is inherited)
     and return its client. Call it from a thread that lives as long as the server should: the server
     is told to die with that thread (an actor's constructor runs on its main thread)."""
@@ -42,10 +42,10 @@ def _http_engine(cfg: EngineConfig, model_path: str, version: int, stale_kv_vers
                          memory_saver=cfg.weight_sync == "tensor", max_num_seqs=cfg.max_num_seqs,
                          max_model_len=cfg.max_model_len, max_prefill_tokens=cfg.max_prefill_tokens,
                          num_threads=cfg.num_threads, seed=cfg.seed, park_slots=cfg.park_slots,
-                         kv_reuse_max_staleness=stale_kv_versions, startup_timeout_s=cfg.startup_timeout_s,
+                         max_versions=max_versions, startup_timeout_s=cfg.startup_timeout_s,
                          weight_version=str(version))
     server = LAUNCHERS[cfg.server]().start(opts)
-    return SGLangEngine(server.url, version, cfg.max_model_len, server, flush_on_update=stale_kv_versions == 0,
+    return SGLangEngine(server.url, version, cfg.max_model_len, server, flush_on_update=max_versions == 0,
                         bucket_mb=cfg.weight_bucket_mb)
 
 

@@ -1,15 +1,18 @@
 """The engine protocol that rollout code talks to; CPU and SGLang backends implement it."""
 from __future__ import annotations
 
-from typing import Awaitable, Protocol
+from typing import Protocol
 
 from april_ray.types import EngineStats, GenerateOutput, GenerateRequest
 
 
+class EngineFailure(RuntimeError):
+    """An engine died; its in-flight samples are re-dispatched elsewhere."""
+
+
 class Engine(Protocol):
-    def generate(self, request: GenerateRequest) -> Awaitable[GenerateOutput]:
-        """Generate until stop, budget or abort; an aborted request returns its partial tokens. A coroutine
-        (the CPU and SGLang backends) or a future (the simulated engine, which makes millions)."""
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """Generate until stop, budget or abort; an aborted request returns its partial tokens."""
 
     def abort(self, request_id: str, park: bool = True) -> bool:
         """Abort one request; True if it was known. Idempotent. `park=False`: never keep its KV cache."""

@@ -128,13 +128,13 @@ class ParkedKV:
     (which the next decode step feeds). Several aborted sequences may carry the same ids (samples of one
     prompt often begin alike): they share one entry and one slot, counted, each resume takes it once, and
     the slot is freed after the last. Entries are evicted oldest parked first when the spare slots run
-    out, and reusable while the weights are at most `max_staleness` versions newer than the ones that
+    out, and reusable while the weights are at most `max_versions` versions newer than the ones that
     computed them (0: only the very same weights, an exact prefix cache).
     """
 
-    def __init__(self, first_slot: int, num_slots: int, max_staleness: int):
+    def __init__(self, first_slot: int, num_slots: int, max_versions: int):
         self.free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
-        self.max_staleness = max_staleness
+        self.max_versions = max_versions
         self.entries: OrderedDict[tuple[int, ...], ParkedEntry] = OrderedDict()
 
     def __len__(self) -> int:
@@ -166,7 +166,7 @@ class ParkedKV:
         if not self.entries:  # the common case, and always without spare slots: no key to build
             return None
         entry = self.entries.get(tuple(tokens))
-        return entry if entry is not None and version - entry.version <= self.max_staleness else None
+        return entry if entry is not None and version - entry.version <= self.max_versions else None
 
     def take(self, tokens: list[int], version: int) -> ParkedEntry | None:
         """The entry for this exact input, taken once: removed with its last sequence (its slot is free
@@ -185,5 +185,5 @@ class ParkedKV:
         self.entries.clear()
 
     def expire(self, version: int) -> None:
-        for key in [k for k, e in self.entries.items() if version - e.version > self.max_staleness]:
+        for key in [k for k, e in self.entries.items() if version - e.version > self.max_versions]:
             self.free.append(self.entries.pop(key).slot)

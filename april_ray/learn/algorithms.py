@@ -7,7 +7,7 @@ All tensors are padded [B, T] over response tokens with a 0/1 `mask`. Three logp
   several versions older than pi_old (recomputing it with the current policy would treat stale tokens
   as on-policy).
 Truncated importance sampling multiplies each token's loss by min(pi_old / pi_behaviour, tis_cap); tokens
-older than `mask_older_than` versions can be masked out instead. Both act on the per-token versions.
+more than `max_versions` versions old are masked out instead, unless the staleness policy is `keep`. Both act on the per-token versions.
 """
 from __future__ import annotations
 
@@ -40,13 +40,13 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def off_policy_weights(old_logp, behaviour_logp, versions, version, mask, tis_cap: float,
-                       mask_older_than: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+def off_policy_weights(old_logp, behaviour_logp, versions, version, mask, *, tis_cap: float, max_versions: int,
+                       policy: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """(per-token weights, updated mask, metrics) from the engine's behaviour logprobs and versions."""
     age = (version - versions) * mask
     keep = mask.clone()
-    if mask_older_than >= 0:
-        keep = keep * (age <= mask_older_than)
+    if policy != "keep":
+        keep = keep * (age <= max_versions)
     ratio = torch.exp(old_logp - behaviour_logp)
     weights = torch.clamp(ratio, max=tis_cap) if tis_cap > 0 else torch.ones_like(ratio)
     n = mask.sum().clamp(min=1)
@@ -62,10 +62,10 @@ def off_policy_weights(old_logp, behaviour_logp, versions, version, mask, tis_ca
     return weights.detach(), keep, metrics
 
 
-def trained_staleness_max(hist: dict[int, int], mask_older_than: int) -> int:
+def trained_staleness_max(hist: dict[int, int], *, max_versions: int, policy: str) -> int:
     """Age in versions of the oldest token that `off_policy_weights` keeps in the loss, from a batch's
-    tokens by age (`rollout/staleness_hist`): ages over `mask_older_than` are masked (-1: none is)."""
-    return max((age for age, n in hist.items() if n and (mask_older_than < 0 or age <= mask_older_than)), default=0)
+    tokens by age (`rollout/staleness_hist`)."""
+    return max((age for age, n in hist.items() if n and (policy == "keep" or age <= max_versions)), default=0)
 
 
 def _clip_metrics(ratio, adv, mask, low, high) -> dict[str, float]:

@@ -27,7 +27,7 @@ import torch
 
 from april_ray.learn import algorithms as algo
 from april_ray.batching import padded_chunks
-from april_ray.config import AlgorithmConfig, LearnerConfig
+from april_ray.config import AlgorithmConfig, LearnerConfig, StalenessConfig
 from april_ray.learn.optim import build_optim
 from april_ray.types import Sample
 
@@ -97,10 +97,12 @@ def policy_loss(logp, old_logp, adv, mask, weights, a: AlgorithmConfig) -> algo.
 
 class Learner:
     def __init__(self, model_path: str, learner_cfg: LearnerConfig, algo_cfg: AlgorithmConfig,
-                 temperature: float, max_response_len: int, mask_older_than: int = -1, rank: int = 0,
-                 world_size: int = 1, master_port: int = 29500, device: str | None = None, seed: int = 0):
+                 temperature: float, max_response_len: int, *, staleness: StalenessConfig = StalenessConfig(),
+                 rank: int = 0, world_size: int = 1, master_port: int = 29500, device: str | None = None,
+                 seed: int = 0):
         """`temperature`: what the engines sample with (logprobs are scored under it).
-        `mask_older_than`: tokens sampled more than this many versions ago are masked out of the loss (-1: none).
+        `staleness`: tokens sampled more than `max_versions` versions ago are masked out of the loss (unless
+        the policy is `keep`).
         `seed`: the run's seed (mini-batch order; torch's generator)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -108,7 +110,7 @@ class Learner:
         torch.manual_seed(1234 + rank + 7919 * seed)
         self.rng = random.Random(seed * 1_000_003 + rank)
         self.cfg, self.algo = learner_cfg, algo_cfg
-        self.temperature, self.max_response_len, self.mask_older_than = temperature, max_response_len, mask_older_than
+        self.temperature, self.max_response_len, self.staleness = temperature, max_response_len, staleness
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id
@@ -219,7 +221,8 @@ class Learner:
         """(policy-loss units, kept tokens, response tokens) of a micro-batch: the policy loss averages over
         tokens (token_mean) or over sequences with a kept token (seq_mean_token_mean, GSPO)."""
         _, keep, _ = algo.off_policy_weights(batch["behaviour_logp"], batch["behaviour_logp"], batch["versions"],
-                                             version, batch["mask"], self.algo.tis_cap, self.mask_older_than)
+                                             version, batch["mask"], tis_cap=self.algo.tis_cap,
+                                             max_versions=self.staleness.max_versions, policy=self.staleness.policy)
         tokens = float(keep.sum())
         by_token = self.algo.name != "gspo" and self.algo.loss_aggregation == "token_mean"
         return (tokens if by_token else float((keep.sum(1) > 0).sum())), tokens, float(batch["mask"].sum())
@@ -231,7 +234,7 @@ class Learner:
         old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()
         weights, keep, metrics = algo.off_policy_weights(
             old_logp, batch["behaviour_logp"], batch["versions"], version, batch["mask"],
-            self.algo.tis_cap, self.mask_older_than)
+            tis_cap=self.algo.tis_cap, max_versions=self.staleness.max_versions, policy=self.staleness.policy)
         out = policy_loss(logp, old_logp, adv, keep, weights, self.algo)
         metrics |= out.metrics
         kl = None

@@ -1,6 +1,6 @@
 """The rollout without Ray: an in-process `EnginePool` over `EngineWorker`s and async views of the source
 and store, all on one event loop. The rollout tests run on it (with fake engines), and so does
-`jobs/bench_schedule.py` (with the real engine), which measures the schedules without any transport.
+`jobs/bench/schedule.py` (with the real engine), which measures the schedules without any transport.
 
 A sample handle here is a `LocalHandle`: element `index` of a call's result, like `actors.refs.SampleRef`
 on Ray.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from april_ray.rollout.monitor import EngineFailure
+from april_ray.engine.base import EngineFailure
 from april_ray.rollout.store import resolve_groups
 
 
@@ -38,37 +38,22 @@ class LocalPool:
         self.dead: set[int] = set()
 
     def generate(self, engine, samples, step):
-        """(a future of the call's metas, a handle per sample), the call being the worker's
-        `EngineWorker.start_group` (a future, no task). The worker starts in a callback of its own, after
-        the caller's, as in its own process: a clocked monitor (april_ray/sim/clock.py) is not billed the
-        worker's CPU."""
-        loop = asyncio.get_running_loop()
-        call, metas = loop.create_future(), loop.create_future()
-        loop.call_soon(self._start, engine, [resolve(s) for s in samples], step, call)
-
-        def done(c: asyncio.Future) -> None:
-            if c.cancelled():
-                metas.cancel()
-            elif c.exception() is not None:
-                metas.set_exception(c.exception())
-            elif engine in self.dead:
-                metas.set_exception(EngineFailure(f"engine {engine} died mid-call"))
-            else:
-                metas.set_result(c.result()[0])
-
-        call.add_done_callback(done)
+        """(a task of the call's metas, a handle per sample), the call being the worker's `generate_group`."""
+        call = asyncio.ensure_future(self._call(engine, [resolve(s) for s in samples], step))
+        metas = asyncio.ensure_future(self._metas(engine, call))
+        metas.add_done_callback(lambda m: call.cancel() if m.cancelled() else None)
         return metas, [LocalHandle(call, i) for i in range(len(samples))]
 
-    def _start(self, engine, samples, step, call: asyncio.Future) -> None:
+    async def _call(self, engine, samples, step):
         if engine in self.dead:
-            if not call.done():
-                call.set_exception(EngineFailure(f"engine {engine} is dead"))
-            return
-        try:
-            self.workers[engine].start_group(samples, step, call)
-        except Exception as e:  # (it fails its future instead; a worker that raises would hang the call)
-            if not call.done():
-                call.set_exception(e)
+            raise EngineFailure(f"engine {engine} is dead")
+        return await self.workers[engine].generate_group(samples, step)
+
+    async def _metas(self, engine, call: asyncio.Future):
+        metas, _ = await asyncio.shield(call)
+        if engine in self.dead:
+            raise EngineFailure(f"engine {engine} died mid-call")
+        return metas
 
     async def abort_all(self, step, engines):
         if self.abort_delay:  # completions race with the abort while it is on its way

@@ -6,9 +6,8 @@
     outstanding call resolves (finished, or partial) -> N groups form the batch, surplus complete groups
     and partial groups go to the store.
 
-The synchronous baseline is the same loop with N' = N, no top-up and no abort (`partial_rollout=false`).
-With `discard_unfinished` it over-provisions as slime's rollout does without partial rollout (the APRIL
-paper's baseline): N' groups start the step, no top-up (but, as sync, a group per one the filter's drops
+The synchronous baseline (`rollout.schedule=sync`) is the same loop with N' = N, no top-up and no abort.
+`oversample` over-provisions as slime's rollout does without partial rollout (the APRIL paper's baseline): N' groups start the step, no top-up (but, as sync, a group per one the filter's drops
 leave missing from N), and at the N-th complete group the rest are aborted and discarded, with any
 surplus complete group (counted with the filter's drops in `num_dropped_groups`: taken, neither returned
 nor stored; `StepResult.discarded` names them). A failed step stores everything, as always.
@@ -27,16 +26,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Awaitable, Protocol
 
 from april_ray.config import RolloutConfig
+from april_ray.engine.base import EngineFailure
 from april_ray.rollout.engine_worker import sample_meta
 from april_ray.rollout.step_state import Call, EngineLoads, Flight, StepState
-from april_ray.types import Group, SampleMeta, SampleState, StepResult, with_fields
-
-
-class EngineFailure(RuntimeError):
-    """An engine died; its in-flight samples are re-dispatched elsewhere."""
+from april_ray.types import Group, SampleMeta, SampleState, StepResult
 
 
 class StepFailed(RuntimeError):
@@ -62,8 +59,6 @@ def filter_reason(metas: list[SampleMeta]) -> str | None:
 class CompletionMonitor:
     def __init__(self, cfg: RolloutConfig, pool: EnginePool, source, store, clock=time.perf_counter):
         """`source` and `store` are async proxies: each method call returns an awaitable."""
-        if cfg.discard_unfinished and cfg.partial_rollout:
-            raise ValueError("rollout.discard_unfinished: the over-provisioned baseline needs partial_rollout=false")
         self.cfg = cfg
         self.pool = pool
         self.source = source
@@ -151,9 +146,9 @@ class CompletionMonitor:
         n = self.cfg.rollout_batch_size
         if len(s.completed) >= n:
             return 0
-        if self.cfg.partial_rollout:
+        if self.cfg.schedule == "april":
             return self.cfg.over_sampling_batch_size - s.num_incomplete
-        if self.cfg.discard_unfinished and not s.num_fresh + s.num_resumed:  # the step's start: over-provision
+        if self.cfg.schedule == "oversample" and not s.num_fresh + s.num_resumed:  # the step's start: over-provision
             return self.cfg.over_sampling_batch_size - len(s.completed) - s.num_incomplete
         return n - len(s.completed) - s.num_incomplete  # sync: only refill what the filter dropped
 
@@ -278,7 +273,7 @@ class CompletionMonitor:
         n = self.cfg.rollout_batch_size
         batch, surplus = s.completed[:n], s.completed[n:]
         t_store = self.clock()
-        keep = not self.cfg.discard_unfinished  # the over-provisioned baseline keeps nothing for the next step
+        keep = self.cfg.schedule != "oversample"  # the over-provisioned baseline keeps nothing for the next step
         discarded = [] if keep else s.partial_ids() + surplus
         partial = await self._stash(s, surplus if keep else [], with_partial=keep)
         self.num_returned_groups += len(batch)
@@ -353,7 +348,7 @@ class CompletionMonitor:
             for m, h in zip(f.metas, f.handles):
                 if m is not None and m.state == SampleState.FINISHED:
                     self.finished_handles[m.sample_id] = h
-                    self.finished_metas[m.sample_id] = with_fields(m, num_new_tokens=0) if m.num_new_tokens else m
+                    self.finished_metas[m.sample_id] = replace(m, num_new_tokens=0) if m.num_new_tokens else m
         return partial
 
 

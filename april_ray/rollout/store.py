@@ -2,21 +2,23 @@
 
 Groups keep their samples exactly as the engines left them: token ids, behaviour logprobs and the
 policy version of every token. `take_partial` hands them back oldest first. The staleness bound applies
-there, at the moment a group would be resumed: a sample whose oldest token is more than `max_staleness`
-versions behind either restarts from its prompt (its tokens are counted as discarded) or keeps its tokens
-for the learner to mask (`stale_policy`).
+there, at the moment a group would be resumed: under `policy=restart` a sample whose oldest token is more
+than `max_versions` versions behind restarts from its prompt (its tokens are counted as discarded); under
+`mask` and `keep` it keeps its tokens (the learner masks what is stale under `mask`).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 
-from april_ray.types import FinishReason, Group, Sample, SampleState, with_fields
+from april_ray.config import StalenessConfig
+from april_ray.types import FinishReason, Group, Sample, SampleState
 
 
 class PartialRolloutStore:
-    def __init__(self, max_staleness: int, stale_policy: str = "restart"):
-        self.max_staleness = max_staleness
-        self.stale_policy = stale_policy
+    def __init__(self, max_versions: int = StalenessConfig.max_versions, policy: str = StalenessConfig.policy):
+        self.max_versions = max_versions
+        self.policy = policy
         self.partial: OrderedDict[str, Group] = OrderedDict()
         self.complete: list[Group] = []
         self.num_restarted_samples = 0
@@ -39,18 +41,18 @@ class PartialRolloutStore:
         groups = []
         while self.partial and len(groups) < max_groups:
             _, g = self.partial.popitem(last=False)
-            if self.stale_policy == "restart":
-                self._restart_stale(g, version)
-            groups.append(g)
+            groups.append(self._restart_stale(g, version) if self.policy == "restart" else g)
         return groups
 
-    def _restart_stale(self, group: Group, version: int) -> None:
-        for s in group.samples:
-            if s.state == SampleState.PARTIAL and s.versions and version - s.versions[0] > self.max_staleness:
-                s.num_discarded_tokens += len(s.response_ids)
-                s.response_ids, s.logprobs, s.versions = [], [], []
-                s.state = SampleState.QUEUED
-                self.num_restarted_samples += 1
+    def _restart_stale(self, group: Group, version: int) -> Group:
+        return replace(group, samples=[self._restarted(s, version) for s in group.samples])
+
+    def _restarted(self, s: Sample, version: int) -> Sample:
+        if s.state != SampleState.PARTIAL or not s.versions or version - s.versions[0] <= self.max_versions:
+            return s
+        self.num_restarted_samples += 1
+        return replace(s, num_discarded_tokens=s.num_discarded_tokens + len(s.response_ids), response_ids=[],
+                       logprobs=[], versions=[], state=SampleState.QUEUED)
 
     def stats(self, version: int) -> dict:
         samples = [s for g in self.partial.values() for s in g.samples]
@@ -172,4 +174,4 @@ def group_from_json(d: dict, where: str) -> Group:
 
 def resolve_groups(groups: list[Group], resolve) -> list[Group]:
     """Groups arrive with sample handles (object refs on Ray); the store keeps values."""
-    return [with_fields(g, samples=[resolve(s) for s in g.samples]) for g in groups]
+    return [replace(g, samples=[resolve(s) for s in g.samples]) for g in groups]

@@ -64,12 +64,12 @@ class Setting:
     max_prefill: int
     staleness: StalenessConfig
     park_slots: int = 0
-    stale_kv_versions: int = 0
+    max_versions: int = 0
     seed: int = 0
 
     def engine(self, version: int = 0) -> SimEngine:
         return SimEngine(self.cost, self.workload.target, self.max_num_seqs, self.kv_capacity, self.max_prefill,
-                         self.workload.block, self.park_slots, self.stale_kv_versions, version)
+                         self.workload.block, self.park_slots, self.max_versions, version)
 
 
 @dataclass
@@ -99,7 +99,7 @@ class Schedule:
             w.reward = InlineReward(wl.reward)
         self.source = PromptSource(wl.examples(), wl.encode, rollout.n_samples_per_prompt, wl.max_response_blocks,
                                    setting.seed)
-        self.store = PartialRolloutStore(setting.staleness.max_versions, setting.staleness.policy)
+        self.store = PartialRolloutStore(max_versions=setting.staleness.max_versions, policy=setting.staleness.policy)
         self.pool = LocalPool(workers, [setting.max_num_seqs] * setting.num_engines)
         self.monitor = CompletionMonitor(rollout, self.pool, LocalProxy(self.source), LocalProxy(self.store),
                                          clock=loop.time)
@@ -173,8 +173,8 @@ class Schedule:
             for age, c in r.staleness.items():
                 hist[age] = hist.get(age, 0) + c
         off = sum(c for age, c in hist.items() if age > 0)
-        limit = self.setting.staleness.mask_older_than  # the learner drops these tokens from the loss
-        masked = sum(c for age, c in hist.items() if 0 <= limit < age)
+        trains = self.setting.staleness.trains  # the learner drops the other tokens from the loss
+        masked = sum(c for age, c in hist.items() if not trains(age))
         c = self._engine_totals()
         return {
             "effective_tok_s": trained * block / wall,

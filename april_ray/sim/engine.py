@@ -11,7 +11,7 @@ The real `EngineWorker` wraps it unchanged. What it keeps of a real engine:
 - abort: the step in progress completes, then the request returns its tokens so far (finish reason
   ABORT); a resumed request (prompt + earlier tokens, the remaining budget) continues from there. With
   `park_slots`, an aborted row's cache is kept (oldest evicted first; dropped once more than
-  `stale_kv_versions` versions old) and a resume with exactly those tokens skips its prefill (the CPU
+  `max_versions` versions old) and a resume with exactly those tokens skips its prefill (the CPU
   engine: every position but the last is restored, the decode pass feeds that one).
 
 Time: rows, context and the step cost stay the same between events (an admission, a finish, an abort,
@@ -92,13 +92,13 @@ class _Span:
 
 class SimEngine:
     def __init__(self, cost: StepCost, target, max_num_seqs: int, kv_capacity: int, max_prefill_tokens: int,
-                 block: int = 1, park_slots: int = 0, stale_kv_versions: int = 0, version: int = 0):
+                 block: int = 1, park_slots: int = 0, max_versions: int = 0, version: int = 0):
         """`target(sample key, input ids) -> (blocks left to generate before the sample's drawn end, token
         id)`, the key being the request id less `EngineWorker`'s `@<step>` tag;
         lengths and capacities are in blocks."""
         self.cost, self.target, self.block = cost, target, block
         self.cap, self.kv_capacity, self.max_prefill = max_num_seqs, kv_capacity, max_prefill_tokens
-        self.park_slots, self.stale_kv_versions = park_slots, stale_kv_versions
+        self.park_slots, self.max_versions = park_slots, max_versions
         self.version = self.next_version = version
         self.loop = asyncio.get_event_loop()
         self.steps = 0
@@ -195,7 +195,7 @@ class SimEngine:
         """Adopt the weights of `version`; parked caches now too stale to reuse free their slots (as the
         CPU engine's `ParkedKV.expire`)."""
         self.version = version
-        for key in [k for k, v in self.parked.items() if version - v > self.stale_kv_versions]:
+        for key in [k for k, v in self.parked.items() if version - v > self.max_versions]:
             del self.parked[key]
 
     def set_kv_reuse(self, enabled: bool) -> None:
@@ -356,7 +356,7 @@ class SimEngine:
             r = waiting[0]
             n_in = r.input_len
             hit = parked.get((r.key, n_in)) if parked else None
-            reuse = hit is not None and version - hit <= self.stale_kv_versions
+            reuse = hit is not None and version - hit <= self.max_versions
             if context + n_in + len(running) > kv_free:
                 break  # no room in the KV cache: it waits
             if inputs and prefill + (0 if reuse else n_in) > max_prefill:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from april_ray.config import Config, ConfigError
+from april_ray.config import Config, ConfigError, over_sampling_batch_size
 from april_ray.sim.clock import VirtualLoop, run_virtual
 from april_ray.sim.cluster import CONTROL_PLANE, OTHER, Schedule, Setting, saturated
 from april_ray.sim.config import SimulateConfig
@@ -69,10 +69,9 @@ def rollout_for(cfg: Config, n: int, factor: float | None, schedule: str | None 
     assert factor is not None or schedule == "sync", f"the {schedule} schedule needs an N'/N factor"
     scale = n / cfg.rollout.rollout_batch_size
     filtered = max(cfg.rollout.max_filtered_groups, round(cfg.rollout.max_filtered_groups * scale))
-    over = n if schedule == "sync" else max(n, round(factor * n))
+    over = n if schedule == "sync" else over_sampling_batch_size(factor, n)
     return dataclasses.replace(cfg.rollout, rollout_batch_size=n, over_sampling_batch_size=over,
-                               partial_rollout=schedule == "april", discard_unfinished=schedule == "oversample",
-                               max_filtered_groups=filtered)
+                               schedule=schedule, max_filtered_groups=filtered)
 
 
 def warmup_steps(schedule: str, sim: SimulateConfig) -> int:
@@ -163,7 +162,7 @@ def assumptions(cfg: Config, sim: SimulateConfig, setting: Setting) -> dict:
                          "(latency: completions that arrive meanwhile wait for the monitor), engines unaffected",
         "ceiling": "one engine kept full at max_num_seqs (and its KV cache) on the same length mix, x engines",
         "throughput": "response tokens of the returned groups per rollout second, less those the learner's "
-                      f"staleness mask drops (older than {cfg.staleness.mask_older_than} versions; -1: none, "
+                      f"staleness mask drops (older than {cfg.staleness.max_versions} versions; none under "
                       "staleness.policy=keep): utilization, speedup and tok/s count these",
         "staleness": {"max_versions": cfg.staleness.max_versions, "policy": cfg.staleness.policy},
         "steps": {"measured": sim.steps, "warmup (APRIL only; the baselines carry nothing over)": sim.warmup_steps},

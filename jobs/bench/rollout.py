@@ -21,7 +21,6 @@ resume re-prefills, as in slime and AReaL. `kv_reuse_speedup` is APRIL over it.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import ray
 
 from jobs.bench.steplog import StepLog, public
 from jobs.common import init_ray, parse, write_result
-from april_ray.config import Config
+from april_ray.config import Config, over_sampling_batch_size, with_rollout
 from april_ray.model import load_policy
 from april_ray.task.data import read_examples
 from driver.engines import EngineGroup
@@ -101,14 +100,6 @@ def run_interleaved(modes: list[Mode], engines: EngineGroup, weights_ref, steps:
     return {mode.name: mode.result() for mode in modes}
 
 
-def with_rollout(cfg: Config, **changes) -> Config:
-    """`cfg` with its rollout section changed; a mode that sets `partial_rollout` is plain APRIL or plain
-    sync unless it asks for the discarding baseline itself (whatever the config says)."""
-    if "partial_rollout" in changes:
-        changes.setdefault("discard_unfinished", False)
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **changes))
-
-
 def plot(out_dir: Path, modes: dict[str, dict], cap: int) -> list[str]:
     import matplotlib
 
@@ -169,9 +160,9 @@ def sweep(cfg: Config, job: JobInputs, engines: EngineGroup, weights_ref, steps:
             "engine_busy_fraction", "engine_on_core")
     out = {}
     for ratio in (1, 1.5, 2, 3, 4):
-        modes = [Mode("sync", with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n), job,
-                      engines),
-                 Mode("april", with_rollout(cfg, partial_rollout=True, over_sampling_batch_size=int(round(ratio * n))),
+        modes = [Mode("sync", with_rollout(cfg, schedule="sync", over_sampling_batch_size=n), job, engines),
+                 Mode("april", with_rollout(cfg, schedule="april",
+                                                over_sampling_batch_size=over_sampling_batch_size(ratio, n)),
                       job, engines)]
         res = run_interleaved(modes, engines, weights_ref, steps, warmup_steps)
         sync, april = res["sync"], res["april"]
@@ -218,12 +209,12 @@ def main() -> None:
     probe()
 
     n = cfg.rollout.rollout_batch_size
-    modes = [Mode("sync", with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n), job, engines),
-             Mode("april", with_rollout(cfg, partial_rollout=True), job, engines)]
+    modes = [Mode("sync", with_rollout(cfg, schedule="sync", over_sampling_batch_size=n), job, engines),
+             Mode("april", with_rollout(cfg, schedule="april"), job, engines)]
     if cfg.engine.backend == "cpu" and cfg.engine.park_slots and cfg.engine.reuse_stale_kv:
         # Ablation in the same run: APRIL with every resume re-prefilled, as in slime and AReaL (the in-actor
         # engine's switch; an HTTP server has no such switch in SGLang's API).
-        modes.append(Mode("april_recompute", with_rollout(cfg, partial_rollout=True), job, engines,
+        modes.append(Mode("april_recompute", with_rollout(cfg, schedule="april"), job, engines,
                           kv_reuse=False))
     results = run_interleaved(modes, engines, weights_ref, args.steps, args.warmup_steps, probe, args.probe_every)
     probe()

@@ -11,7 +11,7 @@ engine.num_engines). So this measures what each schedule gets out of the engine'
 bounds what `jobs.bench.rollout` can reach with the same engine; the rest of the gap is transport and the
 cores the control plane takes.
 
-`--oversample` adds the over-provisioned baseline at each N'/N (`rollout.discard_unfinished`: N' groups start
+`--oversample` adds the over-provisioned baseline at each N'/N (`rollout.schedule=oversample`: N' groups start
 each step, the unfinished ones are discarded at the N-th complete group; slime's rollout without partial
 rollout). Every mode has its own engine (same weights and seed), source (same seed, so the same prompts) and store;
 the modes run interleaved step by step, one at a time, so the machine's drift falls on all alike. Before
@@ -44,10 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jobs.bench.rollout import with_rollout
 from jobs.bench.steplog import StepLog, public
 from jobs.common import parse, write_result
-from april_ray.config import Config, ConfigError
+from april_ray.config import Config, ConfigError, over_sampling_batch_size, with_rollout
 from april_ray.model import load_policy
 from april_ray.rollout.engine_worker import build_worker
 from april_ray.rollout.local import LocalPool, LocalProxy
@@ -66,7 +65,7 @@ def per_engine(cfg: Config, factor: float | None) -> tuple[int, int]:
         raise ConfigError(f"rollout.rollout_batch_size={r.rollout_batch_size} does not split over "
                           f"engine.num_engines={e} engines")
     n = r.rollout_batch_size // e
-    return n, max(n, int(round(factor * n)) if factor is not None else r.over_sampling_batch_size // e)
+    return n, over_sampling_batch_size(factor, n) if factor is not None else max(n, r.over_sampling_batch_size // e)
 
 
 class LocalMode:
@@ -78,7 +77,7 @@ class LocalMode:
         self.worker = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
         self.source = PromptSource(train_examples, encode, r.n_samples_per_prompt, cfg.sampling.max_response_len,
                                    cfg.task.seed)
-        self.store = PartialRolloutStore(cfg.staleness.max_versions, cfg.staleness.policy)
+        self.store = PartialRolloutStore(max_versions=cfg.staleness.max_versions, policy=cfg.staleness.policy)
         self.rollout = CompletionMonitor(r, LocalPool([self.worker], [cfg.engine.max_num_seqs]),
                                          LocalProxy(self.source), LocalProxy(self.store))
         self.log = StepLog(r.n_samples_per_prompt)
@@ -127,15 +126,15 @@ async def run(cfg: Config, args, job: JobInputs) -> dict:
     probe_prompts = first_prompts(train, tok.encode, cfg.task.seed, 512)
     n, _ = per_engine(cfg, None)
     factors = [float(f) for f in args.factors.split(",")]
-    modes = [LocalMode("sync", with_rollout(cfg, partial_rollout=False, rollout_batch_size=n,
+    modes = [LocalMode("sync", with_rollout(cfg, schedule="sync", rollout_batch_size=n,
                                             over_sampling_batch_size=n), model_path, train, tok.encode)]
     for f in factors:
         _, n_prime = per_engine(cfg, f)
-        modes.append(LocalMode(f"april_{f:g}", with_rollout(cfg, partial_rollout=True, rollout_batch_size=n,
+        modes.append(LocalMode(f"april_{f:g}", with_rollout(cfg, schedule="april", rollout_batch_size=n,
                                                             over_sampling_batch_size=n_prime),
                                model_path, train, tok.encode))
         if args.oversample:  # the over-provisioned baseline at the same N'
-            modes.append(LocalMode(f"oversample_{f:g}", with_rollout(cfg, partial_rollout=False, discard_unfinished=True,
+            modes.append(LocalMode(f"oversample_{f:g}", with_rollout(cfg, schedule="oversample",
                                                                      rollout_batch_size=n, over_sampling_batch_size=n_prime),
                                    model_path, train, tok.encode))
     prober = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
@@ -210,7 +209,7 @@ def main() -> None:
         p.add_argument("--warmup-steps", type=int, default=2)
         p.add_argument("--factors", default="1.5", help="APRIL's N'/N, comma-separated: one mode each")
         p.add_argument("--oversample", action="store_true",
-                       help="also the over-provisioned baseline (rollout.discard_unfinished) at each N'/N")
+                       help="also the over-provisioned baseline (rollout.schedule=oversample) at each N'/N")
         p.add_argument("--probe-every", type=int, default=1, help="measure the ceiling every this many rounds")
         p.add_argument("--probe-seconds", type=float, default=2.0)
 

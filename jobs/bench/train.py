@@ -26,9 +26,9 @@ import math
 import statistics
 from pathlib import Path
 
-from jobs.bench.rollout import with_rollout
-from jobs.common import init_ray, parse, write_result
+from april_ray.config import over_sampling_batch_size, with_rollout
 from april_ray.placement import plan
+from jobs.common import init_ray, parse, write_result
 from jobs.train import train
 
 
@@ -49,19 +49,19 @@ def mode_configs(cfg, factors: list[float]) -> dict[str, object]:
     """sync (N' = N, no partial rollouts), APRIL as configured, and APRIL at N' = factor x N per factor."""
     n = cfg.rollout.rollout_batch_size
 
-    modes = {"sync": with_rollout(cfg, partial_rollout=False, over_sampling_batch_size=n),
-             "april": with_rollout(cfg, partial_rollout=True)}
+    modes = {"sync": with_rollout(cfg, schedule="sync", over_sampling_batch_size=n),
+             "april": with_rollout(cfg, schedule="april")}
     for f in factors:
-        if max(n, round(f * n)) != cfg.rollout.over_sampling_batch_size:  # else it is `april`'s run
-            modes[f"april_{f:g}"] = with_rollout(cfg, partial_rollout=True,
-                                                 over_sampling_batch_size=max(n, round(f * n)))
+        if over_sampling_batch_size(f, n) != cfg.rollout.over_sampling_batch_size:  # else it is `april`'s run
+            modes[f"april_{f:g}"] = with_rollout(cfg, schedule="april", over_sampling_batch_size=over_sampling_batch_size(f, n))
     return modes
 
 
 def configured_factor(cfg, factors: list[float]) -> str | None:
     """The `april_<factor>` key that names APRIL as configured, when --factors lists its N'/N."""
     n = cfg.rollout.rollout_batch_size
-    return next((f"april_{f:g}" for f in factors if max(n, round(f * n)) == cfg.rollout.over_sampling_batch_size), None)
+    return next((f"april_{f:g}" for f in factors if over_sampling_batch_size(f, n) == cfg.rollout.over_sampling_batch_size),
+                None)
 
 
 def seeded(cfg, mode: str, seed: int, base: Path):
