@@ -106,12 +106,21 @@ class Sample:
     answer: str
     prompt_ids: list[int]
     max_response_len: int
-    """Total response budget across all resumes; the remaining budget is derived, never stored."""
+    """Budget of model tokens across all resumes and turns; the remaining budget is derived, never stored."""
     response_ids: list[int] = field(default_factory=list)
+    """Everything after the prompt: model tokens and, in a multi-turn episode, environment tokens."""
     logprobs: list[float] = field(default_factory=list)
-    """Behaviour logprob of each response token, recorded at the engine."""
+    """Behaviour logprob of each response token, recorded at the engine (0.0 for environment tokens)."""
     versions: list[int] = field(default_factory=list)
-    """Policy version that sampled each response token."""
+    """Policy version that sampled each response token (-1 for environment tokens)."""
+    loss_mask: list[int] | None = None
+    """1 for a model token, 0 for an environment token, one per response token; None: all model tokens
+    (a single-turn sample carries no list)."""
+    episode: dict | None = None
+    """A multi-turn episode's progress, JSON values only (`rollout.episode`): saved with the sample in the
+    store and in checkpoints, so an interrupted episode goes on at the same turn."""
+    metadata: dict = field(default_factory=dict)
+    """The dataset row's other fields (JSON values), for reward and episode functions."""
     state: SampleState = SampleState.QUEUED
     finish_reason: FinishReason | None = None
     reward: float | None = None
@@ -120,8 +129,19 @@ class Sample:
     """Tokens dropped by a staleness restart (accounted, so generated = kept + discarded)."""
 
     @property
+    def num_model_tokens(self) -> int:
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+    @property
     def remaining_budget(self) -> int:
-        return self.max_response_len - len(self.response_ids)
+        return self.max_response_len - self.num_model_tokens
+
+    @property
+    def model_versions(self) -> list[int]:
+        """The versions of the model tokens alone (what staleness is about)."""
+        if self.loss_mask is None:
+            return self.versions
+        return [v for v, m in zip(self.versions, self.loss_mask) if m]
 
     @property
     def input_ids(self) -> list[int]:
@@ -135,8 +155,16 @@ class Sample:
         """The sample with an engine result appended: PARTIAL if the result was aborted, else FINISHED."""
         assert len(out.token_ids) <= self.remaining_budget, "engine exceeded the remaining budget"
         state = SampleState.PARTIAL if out.finish_reason == FinishReason.ABORT else SampleState.FINISHED
+        mask = None if self.loss_mask is None else self.loss_mask + [1] * len(out.token_ids)
         return replace(self, response_ids=self.response_ids + out.token_ids, logprobs=self.logprobs + out.logprobs,
-                       versions=self.versions + out.versions, finish_reason=out.finish_reason, state=state)
+                       versions=self.versions + out.versions, loss_mask=mask, finish_reason=out.finish_reason,
+                       state=state)
+
+    def with_environment(self, ids: list[int]) -> "Sample":
+        """The sample with environment tokens appended: in the context, never trained, free of the budget."""
+        mask = [1] * len(self.response_ids) if self.loss_mask is None else self.loss_mask
+        return replace(self, response_ids=self.response_ids + ids, logprobs=self.logprobs + [0.0] * len(ids),
+                       versions=self.versions + [-1] * len(ids), loss_mask=mask + [0] * len(ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +178,9 @@ class SampleMeta:
     response_len: int
     reward: float | None
     version_counts: dict[int, int]
-    """Response tokens per policy version (derived from the per-token record, never a side counter)."""
+    """Model tokens per policy version (derived from the per-token record, never a side counter)."""
+    num_env_tokens: int = 0
+    """Environment tokens in the response (a multi-turn episode's tool results)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import psutil
@@ -50,7 +51,7 @@ def test_rollout_state_round_trips_through_json_and_the_run_goes_on_exactly_once
     monitor2.num_returned_groups = state["monitor"]["returned_groups"]
     monitor2.num_dropped_groups = state["monitor"]["dropped_groups"]
     for gid, g in store.partial.items():  # every sample exactly as saved: ids, logprobs, versions, state
-        assert [vars(s) for s in store2.partial[gid].samples] == [vars(s) for s in g.samples]
+        assert [asdict(s) for s in store2.partial[gid].samples] == [asdict(s) for s in g.samples]
         assert any(s.logprobs for s in g.samples)
     assert [g.group_id for g in store2.complete] == [g.group_id for g in store.complete]
 

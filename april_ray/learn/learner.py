@@ -33,8 +33,9 @@ from april_ray.types import Sample
 
 
 def collate(samples: list[Sample], pad_id: int, old_logp: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Right-padded inputs, and per response token: target, mask, behaviour logprob and version (and the
-    proximal logprob, when `old_logp` gives one tensor per sample over its response tokens).
+    """Right-padded inputs, and per response token: target, mask (the sample's loss mask: environment tokens
+    are context, never trained), behaviour logprob and version (and the proximal logprob, when `old_logp`
+    gives one tensor per sample over its response tokens).
 
     Response token t of a sample sits at input position len(prompt) + t and is predicted by the logits
     at the position before it; every per-token tensor here is aligned to those logits positions."""
@@ -48,7 +49,7 @@ def collate(samples: list[Sample], pad_id: int, old_logp: list[torch.Tensor] | N
     for row, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         ids[row, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
-        mask[row, p - 1 : p - 1 + r] = 1
+        mask[row, p - 1 : p - 1 + r] = 1 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float)
         behaviour[row, p - 1 : p - 1 + r] = torch.tensor(s.logprobs)
         versions[row, p - 1 : p - 1 + r] = torch.tensor(s.versions)
         if old is not None:
@@ -75,7 +76,7 @@ def advantages_for(samples: list[Sample], algo_cfg: AlgorithmConfig, max_respons
     """Group-normalised advantages, per sample in input order (samples of a group are consecutive)."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float)
     if algo_cfg.overlong_buffer:
-        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        lengths = torch.tensor([s.num_model_tokens for s in samples])
         rewards = rewards + algo.overlong_penalty(lengths, max_response_len, algo_cfg.overlong_buffer)
     group_ids = [s.group_id for s in samples]
     adv = torch.zeros_like(rewards)

@@ -48,15 +48,16 @@ class PartialRolloutStore:
         return replace(group, samples=[self._restarted(s, version) for s in group.samples])
 
     def _restarted(self, s: Sample, version: int) -> Sample:
-        if s.state != SampleState.PARTIAL or not s.versions or version - s.versions[0] <= self.max_versions:
+        oldest = min(s.model_versions, default=version)
+        if s.state != SampleState.PARTIAL or version - oldest <= self.max_versions:
             return s
         self.num_restarted_samples += 1
-        return replace(s, num_discarded_tokens=s.num_discarded_tokens + len(s.response_ids), response_ids=[],
-                       logprobs=[], versions=[], state=SampleState.QUEUED)
+        return replace(s, num_discarded_tokens=s.num_discarded_tokens + s.num_model_tokens, response_ids=[],
+                       logprobs=[], versions=[], loss_mask=None, episode=None, state=SampleState.QUEUED)
 
     def stats(self, version: int) -> dict:
         samples = [s for g in self.partial.values() for s in g.samples]
-        oldest = [version - s.versions[0] for s in samples if s.versions]
+        oldest = [version - min(s.model_versions) for s in samples if s.model_versions]
         return {"store/groups": len(self.partial), "store/complete_groups": len(self.complete),
                 "store/tokens": sum(len(s.response_ids) for s in samples),
                 "store/max_age": max(oldest, default=0),
@@ -128,7 +129,9 @@ def sample_to_json(s: Sample) -> dict:
             "prompt_ids": list(s.prompt_ids), "max_response_len": s.max_response_len,
             "response_ids": list(s.response_ids), "logprobs": list(s.logprobs), "versions": list(s.versions),
             "state": s.state.value, "finish_reason": s.finish_reason.value if s.finish_reason else None,
-            "reward": s.reward, "num_resumes": s.num_resumes, "num_discarded_tokens": s.num_discarded_tokens}
+            "reward": s.reward, "num_resumes": s.num_resumes, "num_discarded_tokens": s.num_discarded_tokens,
+            "loss_mask": None if s.loss_mask is None else list(s.loss_mask), "episode": s.episode,
+            "metadata": s.metadata}
 
 
 def sample_from_json(d: dict, where: str) -> Sample:
@@ -140,8 +143,6 @@ def sample_from_json(d: dict, where: str) -> Sample:
     for key in ("logprobs", "versions"):
         if len(v[key]) != n:
             raise ValueError(f"{where}.{key}: {len(v[key])} values for {n} response tokens")
-    if n > v["max_response_len"]:
-        raise ValueError(f"{where}.response_ids: {n} tokens over max_response_len {v['max_response_len']}")
     try:
         v["state"] = SampleState(v["state"])
         v["finish_reason"] = FinishReason(v["finish_reason"]) if v["finish_reason"] is not None else None
@@ -152,7 +153,25 @@ def sample_from_json(d: dict, where: str) -> Sample:
     if v["state"] == SampleState.FINISHED and v["reward"] is None:
         raise ValueError(f"{where}.reward: a finished sample has a reward")
     v["reward"] = float(v["reward"]) if v["reward"] is not None else None
-    return Sample(**v)
+    extra = _episode_fields(d, n, where)
+    model = n if extra["loss_mask"] is None else sum(extra["loss_mask"])
+    if model > v["max_response_len"]:
+        raise ValueError(f"{where}.response_ids: {model} model tokens over max_response_len {v['max_response_len']}")
+    return Sample(**v, **extra)
+
+
+def _episode_fields(d: dict, n: int, where: str) -> dict:
+    """The fields a multi-turn sample adds; absent (a single-turn sample's store) means none."""
+    mask, episode, metadata = d.get("loss_mask"), d.get("episode"), d.get("metadata", {})
+    if mask is not None:
+        mask = _numbers(_field(d, "loss_mask", list, where), int, f"{where}.loss_mask")
+        if len(mask) != n or any(m not in (0, 1) for m in mask):
+            raise ValueError(f"{where}.loss_mask: expected {n} values of 0 or 1")
+    if episode is not None:
+        _field(d, "episode", dict, where)
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{where}.metadata: expected an object, got {type(metadata).__name__}")
+    return {"loss_mask": mask, "episode": episode, "metadata": metadata}
 
 
 def group_to_json(g: Group) -> dict:
