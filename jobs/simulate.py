@@ -1,5 +1,5 @@
 """What APRIL does on a GPU cluster we do not have: the real rollout scheduler in virtual time against
-simulated engines (april_ray/sim/), from a few GPUs to a thousand.
+simulated engines (sim/), from a few GPUs to a thousand.
 
     python -m jobs.simulate --config configs/qwen3_4b_dapo.yaml --gpus 8,64,512,1024 [--factors 1,1.5,2,3,4]
         --json PATH [--plot PNG] [--workers N|auto] [key=value ...] [simulate.key=value ...]
@@ -11,7 +11,7 @@ over-provisioned baseline (slime's rollout without partial rollout, the APRIL pa
 start the step, the unfinished ones are discarded at the N-th complete group), with the completion
 monitor, prompt source, partial-rollout store and engine workers of the training job, on engines whose
 step costs follow the accelerator's roofline and whose responses end at lengths drawn from `simulate.length_*`
-(april_ray/sim/config.py; every constant is listed under `assumptions` in the JSON). The simulated engines
+(sim/config.py; every constant is listed under `assumptions` in the JSON). The simulated engines
 replace the configured backend (`engine.backend` and the server's settings are not used, except
 `engine.mem_fraction`, the share of memory for weights and KV cache). Throughput, and with it
 utilization and speedup, counts the response tokens the learner trains: those of the returned groups,
@@ -41,13 +41,16 @@ import argparse
 import json
 import math
 import resource
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 from jobs.common import usable_cores, write_result
 from april_ray.config import ConfigError, add_config_args, load_config, to_yaml
-from april_ray.sim import study
-from april_ray.sim.config import SimulateConfig, load_simulate_config
+from sim import study
+from sim.config import SimulateConfig, number_list, study_inputs
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 
@@ -87,38 +90,6 @@ def parse() -> tuple:
     args.factors = number_list(parser, "--factors", args.factors, float, lambda f: 1 <= f < float("inf"),
                                "N'/N of at least 1") if args.factors else [default]
     return cfg, sim, args
-
-
-def study_inputs(parser, args) -> tuple:
-    """The job's config and its `simulate.*` section from `args.config` and `args.overrides`, the lengths
-    file read once, and `args.gpus` parsed: anything bad stops the job with a message naming it."""
-    try:
-        cfg = load_config(args.config, [o for o in args.overrides if not o.startswith("simulate.")])
-        sim = load_simulate_config([o for o in args.overrides if o.startswith("simulate.")])
-    except ConfigError as e:
-        parser.error(str(e))
-    if sim.length_file:
-        from april_ray.sim.workload import load_lengths_file
-        try:
-            load_lengths_file(sim.length_file)
-        except ValueError as e:
-            parser.error(f"simulate.length_file: {e}")
-    tp = max(1, cfg.placement.engine_gpus)
-    args.gpus = number_list(parser, "--gpus", args.gpus, int, lambda g: g >= tp and g % tp == 0,
-                            f"multiples of placement.engine_gpus={tp} (GPUs per engine)")
-    return cfg, sim
-
-
-def number_list(parser, flag: str, text: str, kind, ok, rule: str) -> list:
-    """A comma-separated list of numbers, each checked; a bad one stops the job with a message naming it."""
-    try:
-        values = [kind(x) for x in text.split(",")]
-    except ValueError:
-        parser.error(f"{flag} {text}: expected comma-separated {kind.__name__} values ({rule})")
-    bad = [v for v in values if not ok(v)]
-    if bad:
-        parser.error(f"{flag}: {', '.join(map(str, bad))}: expected {rule}")
-    return values
 
 
 def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float], workers: int | str = 1) -> dict:
@@ -286,18 +257,30 @@ def public_schedules(schedules: dict) -> dict:
             for k, v in schedules.items() if k != "step_costs"}
 
 
+def bench_schedule(args) -> dict:
+    """One run of `jobs.bench.schedule` (sync, APRIL at 1.5 and 3) on the job's config, in a process of its
+    own as any entry point runs: its result, step costs included."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        config = ["--config", args.config] if args.config else []
+        cmd = [sys.executable, "-m", "jobs.bench.schedule", *config, "--json", str(out), "--steps",
+               str(args.record_steps), "--factors", "1.5,3", "--probe-seconds", str(args.probe_seconds),
+               *(o for o in args.overrides if not o.startswith("simulate."))]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
 def main() -> None:
     cfg, sim, args = parse()
     t0, c0 = time.time(), time.process_time()
     if args.measure_cpu:
-        from april_ray.sim.calibrate import measure
-        from jobs.bench.schedule import record
+        from sim.calibrate import measure
 
-        schedules = record(cfg, steps=args.record_steps, probe_seconds=args.probe_seconds)
+        schedules = bench_schedule(args)
         write_result(args.measure_cpu, measure(cfg, schedules) | {"schedules": public_schedules(schedules)})
         return
     if args.calibrate:
-        from april_ray.sim.calibrate import calibrate
+        from sim.calibrate import calibrate
 
         result = calibrate(cfg, sim, json.loads(Path(args.cpu_costs).read_text()),
                            json.loads(Path(args.measured).read_text()))

@@ -1,4 +1,4 @@
-"""The simulator (april_ray/sim/): virtual time, the simulated engine's contract, the cost model, the real
+"""The simulator (sim/): virtual time, the simulated engine's contract, the cost model, the real
 rollout on simulated engines, and `jobs.simulate`'s output."""
 import asyncio
 import json
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from april_ray.config import Config, RolloutConfig, StalenessConfig
-from april_ray.sim.clock import SimulationStalled, VirtualLoop, run_virtual
-from april_ray.sim.cluster import CONTROL_PLANE, Schedule, Setting, saturated
-from april_ray.sim.engine import SimEngine
-from april_ray.sim.hardware import ACCELERATORS, StepCost, gpu_step_cost, kv_capacity_tokens, model_spec
-from april_ray.sim.workload import LengthModel, Workload
+from sim.clock import SimulationStalled, VirtualLoop, run_virtual
+from sim.cluster import CONTROL_PLANE, Schedule, Setting, saturated
+from sim.engine import SimEngine
+from sim.hardware import ACCELERATORS, StepCost, gpu_step_cost, kv_capacity_tokens, model_spec
+from sim.workload import LengthModel, Workload
 from april_ray.types import FinishReason, GenerateRequest, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,17 +190,17 @@ def test_outputs_share_their_repeated_lists_and_a_resumed_sample_gets_lists_of_i
     """Outputs of the same length and version share one list each (read-only, as every message's lists
     are); a sample resumed on them gets new lists, leaving the shared ones as they were; the shared lists
     are let go past their bound, and lists made after that are equal."""
-    import april_ray.sim.engine as sim_engine
+    import sim.engine as sim_engine
     from april_ray.types import Sample
 
     async def main(loop):
         e = SimEngine(FLAT, Lengths(30), max_num_seqs=4, kv_capacity=10_000, max_prefill_tokens=1000, version=2)
         a, b = await asyncio.gather(e.generate(request("a@0")), e.generate(request("b@0")))
         sample = Sample("s", "g", "", "", [0], 100)
-        sample.extend(a)
+        sample = sample.extended(a)
         e.update_weights(None, 3)
         more = await e.generate(request("s@1", done=10, budget=70))  # 20 blocks left, of version 3
-        sample.extend(more)
+        sample = sample.extended(more)
         return a, b, sample
 
     a, b, sample = run_virtual(main)
@@ -449,8 +449,8 @@ def test_a_step_served_whole_from_the_stores_surplus_is_timed_on_the_virtual_clo
 def test_bad_input_to_the_simulator_names_the_flag_or_the_entry(tmp_path):
     import argparse
 
-    from jobs.simulate import number_list
-    from april_ray.sim.workload import load_lengths_file
+    from sim.config import number_list
+    from sim.workload import load_lengths_file
 
     path = tmp_path / "lengths.json"
     for content, where in [({"lengths": [1, 2, "x"]}, "lengths[2]"), ({"lengths": [5, 0]}, "lengths[1]"),
@@ -533,8 +533,8 @@ def test_bench_simulation_counts_the_calls_each_schedule_makes():
     the worker alone sends each sample of each round's groups once."""
     from jobs.bench.simulation import schedule_cost, worker_alone
     from april_ray.config import load_config
-    from april_ray.sim import study
-    from april_ray.sim.config import load_simulate_config
+    from sim import study
+    from sim.config import load_simulate_config
 
     cfg = load_config(str(ROOT / "configs/qwen3_4b_dapo.yaml"), ["sampling.max_response_len=2048"])
     sim = load_simulate_config(["simulate.length_median=300"])
@@ -554,7 +554,7 @@ def test_bench_simulation_counts_the_same_python_operations_in_every_run():
     ran them: the rollout's own code and the simulator's."""
     from jobs.bench.simulation import schedule_ops
     from april_ray.config import load_config
-    from april_ray.sim.config import load_simulate_config
+    from sim.config import load_simulate_config
 
     cfg = load_config(str(ROOT / "configs/qwen3_4b_dapo.yaml"), ["sampling.max_response_len=2048"])
     sim = load_simulate_config(["simulate.length_median=300"])
@@ -562,7 +562,7 @@ def test_bench_simulation_counts_the_same_python_operations_in_every_run():
     assert first == again
     assert first["sample_calls"] > 32 * 8 and first["ops_per_call"] > first["python_calls_per_call"] > 1
     files = first["ops_per_call_by_file"]
-    assert files["april_ray/rollout/monitor.py"] > 0 and files["april_ray/sim/engine.py"] > 0
+    assert files["april_ray/rollout/monitor.py"] > 0 and files["sim/engine.py"] > 0
     assert sum(files.values()) == pytest.approx(first["ops_per_call"], rel=1e-3)
 
 
@@ -609,7 +609,7 @@ def test_jobs_simulate_writes_the_promised_keys(tmp_path):
     # no more processes than schedules (here 2: sync, and APRIL at N'/N = 1), and a bad count named
     from jobs.simulate import simulate_gpus
     from april_ray.config import load_config
-    from april_ray.sim.config import load_simulate_config
+    from sim.config import load_simulate_config
 
     small = load_config(str(ROOT / "configs/qwen3_4b_dapo.yaml"), ["sampling.max_response_len=2048"])
     sim = load_simulate_config(["simulate.steps=1", "simulate.warmup_steps=0", "simulate.length_median=300"])
@@ -651,7 +651,7 @@ def test_calibrate_compares_the_simulation_with_both_measurements(tmp_path, rand
 def test_fit_over_measured_is_one_for_exact_costs_and_finds_a_mode_they_miss():
     """Steps that follow the fitted costs exactly give 1; a mode whose steps all cost 10% more than their
     features say gives 1/1.1, and the fit from every mode's steps is what `fit_costs` returns."""
-    from april_ray.sim.calibrate import COSTS, FEATURES, fit_costs, fit_over_measured
+    from sim.calibrate import COSTS, FEATURES, fit_costs, fit_over_measured
 
     rng = np.random.default_rng(0)
     true = dict(zip(COSTS, (1e-3, 4e-5, 3e-7, 2e-5, 2e-4, 0.0, 2e-6, 6e-4, 3e-7)))
@@ -680,7 +680,7 @@ def test_fit_over_measured_is_one_for_exact_costs_and_finds_a_mode_they_miss():
 def test_fit_by_gap_finds_steps_that_follow_other_work_costlier():
     """Steps that follow over a millisecond of other work cost 20% more than their batch: their bin's fit
     over measured is 1/1.2, the rest's 1; bins of fewer than 20 steps are left out."""
-    from april_ray.sim.calibrate import COSTS, fit_by_gap
+    from sim.calibrate import COSTS, fit_by_gap
 
     fit = dict(zip(COSTS, (1e-3, 4e-5, 3e-7, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)))
     rows, gaps = [], []
@@ -712,7 +712,7 @@ def test_measure_cpu_takes_its_costs_from_a_bench_run_and_calibrate_reads_them(t
     assert set(measured["in_situ"]) == {"sync", "april_1.5", "april_3"}
     assert all(0 < m["utilization"] for m in measured["in_situ"].values())
     assert measured["schedules"]["sync"]["steps"] == 4 and "step_costs" not in measured["schedules"]
-    bench = json.loads((ROOT / "docs/benchmarks/bench_schedule_s7_r8.json").read_text())  # no step costs
+    bench = json.loads((ROOT / "tests/data/bench_schedule_s7_r8.json").read_text())  # no step costs
     old = tmp_path / "bench.json"
     old.write_text(json.dumps(bench))
     out = tmp_path / "cal.json"

@@ -28,7 +28,7 @@ wall clock also counts the time other processes held the core, which falls uneve
 probes, and only the CPU figure compares with the simulator's costs (fitted on CPU time).
 
 Every engine step (the modes' and the probes') is recorded as `jobs.simulate --calibrate` fits step
-costs (april_ray/sim/calibrate.py `StepRecorder`, its thread's CPU time and the batch it ran): the JSON's
+costs (sim/calibrate.py `StepRecorder`, its thread's CPU time and the batch it ran): the JSON's
 `step_costs` holds the fit, each feature summed per mode, and the CPU outside steps, so the simulator
 predicts this run with costs from the same minutes of the machine. The recording's own CPU, outside the
 steps it times, falls on every mode and on the probe alike. `fit_by_gap` checks the fit against each mode's
@@ -37,7 +37,6 @@ bins are not of like batches).
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 from pathlib import Path
@@ -53,9 +52,9 @@ from april_ray.rollout.local import LocalPool, LocalProxy
 from april_ray.rollout.monitor import CompletionMonitor
 from april_ray.rollout.prompt_source import PromptSource, first_prompts
 from april_ray.rollout.store import PartialRolloutStore
-from april_ray.sim.calibrate import FEATURES, StepRecorder, fit_by_gap, fit_costs
 from april_ray.task.data import read_examples
 from driver.setup import JobInputs, prepare
+from sim.calibrate import FEATURES, StepRecorder, fit_by_gap, fit_costs
 
 
 def per_engine(cfg: Config, factor: float | None) -> tuple[int, int]:
@@ -177,7 +176,7 @@ async def run(cfg: Config, args, job: JobInputs) -> dict:
 def step_costs(modes: list[LocalMode], probe: StepRecorder, probe_process_s: float) -> dict:
     """The cost fit of every engine step of this run (the modes' and the probes'), each feature summed per
     mode, and the CPU between steps: the step costs `jobs.simulate --calibrate` simulates this run with, from the same minutes of
-    the machine as the utilizations they are compared with (april_ray/sim/calibrate.py)."""
+    the machine as the utilizations they are compared with (sim/calibrate.py)."""
     recorded = {m.name: m.recorder.rows for m in modes} | {"probe": probe.rows}
     gaps = {m.name: m.recorder.gaps for m in modes} | {"probe": probe.gaps}
     rows = [row for steps in recorded.values() for row in steps]
@@ -190,15 +189,6 @@ def step_costs(modes: list[LocalMode], probe: StepRecorder, probe_process_s: flo
                               "by_mode": by_mode},
             "sums": {name: dict(zip(FEATURES + ("cpu_s",), map(float, np.sum(steps, axis=0))))
                      for name, steps in recorded.items() if steps}}
-
-
-def record(cfg: Config, steps: int = 24, warmup_steps: int = 2, factors: str = "1.5,3", probe_every: int = 1,
-           probe_seconds: float = 2.0) -> dict:
-    """One run of this bench with these settings (`jobs.simulate --measure-cpu` takes its step costs)."""
-    args = argparse.Namespace(steps=steps, warmup_steps=warmup_steps, factors=factors, probe_every=probe_every,
-                              probe_seconds=probe_seconds, oversample=False)
-    per_engine(cfg, None)
-    return asyncio.run(run(cfg, args, prepare(cfg)))
 
 
 def main() -> None:

@@ -33,16 +33,16 @@ from collections import Counter
 from pathlib import Path
 
 from jobs.common import write_result
-from jobs.simulate import study_inputs
 from april_ray.config import add_config_args
 from april_ray.rollout.engine_worker import EngineWorker
 from april_ray.rollout.local import LocalPool
 from april_ray.rollout.prompt_source import PromptSource
-from april_ray.sim import study
-from april_ray.sim.clock import run_virtual
-from april_ray.sim.cluster import InlineReward
-from april_ray.sim.engine import repeated
 from april_ray.types import FinishReason, GenerateOutput, SamplingParams
+from sim import study
+from sim.clock import run_virtual
+from sim.cluster import InlineReward
+from sim.config import study_inputs
+from sim.engine import repeated
 
 BAR_CPU_S = 120.0
 
@@ -50,20 +50,18 @@ BAR_CPU_S = 120.0
 class InstantEngine:
     """Answers each request at once: the sample's drawn blocks (at most its budget), finished, version 0,
     in output lists shared as the simulated engine shares them (`sim.engine.repeated`), so that what it
-    costs is little besides the future and the output every engine makes."""
+    costs is little besides the output every engine makes."""
 
     def __init__(self, workload):
         self.workload = workload
         self.num_requests = 0
 
-    def generate(self, request):
+    async def generate(self, request):
         left, token = self.workload.target(self.workload.sample_key(request), request.input_ids)
         n = max(1, min(left, request.sampling.max_new_tokens))
         self.num_requests += 1
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(GenerateOutput(request.request_id, repeated(token, n), repeated(-1.0, n), repeated(0, n),
-                                      FinishReason.STOP))
-        return fut
+        return GenerateOutput(request.request_id, repeated(token, n), repeated(-1.0, n), repeated(0, n),
+                              FinishReason.STOP)
 
     def abort_all(self) -> int:
         return 0

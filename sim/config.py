@@ -11,13 +11,14 @@ from dataclasses import dataclass, fields
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from april_ray.config import ConfigError, non_negative, one_of, positive, probability
+from april_ray.config import ConfigError, load_config, non_negative, one_of, positive, probability
+from sim.workload import load_lengths_file
 
 
 @dataclass
 class SimulateConfig:
     accelerator: str = one_of("h100", "h100", "h200", "mi300x")
-    """Accelerator of every engine and learner GPU (april_ray/sim/hardware.py: datasheet numbers)."""
+    """Accelerator of every engine and learner GPU (sim/hardware.py: datasheet numbers)."""
     bandwidth_efficiency: float = probability(0.8)
     """Share of peak memory bandwidth a decode step achieves (assumption: serving engines reach ~70-85%)."""
     flops_efficiency: float = probability(0.5)
@@ -35,7 +36,7 @@ class SimulateConfig:
     length_sigma: float = positive(1.0)
     """Log-space spread: with median 3,000, ~4.5% of samples reach a 16,384 budget (assumption)."""
     length_file: str = ""
-    """JSON of measured lengths (april_ray/sim/workload.py: load_lengths_file)."""
+    """JSON of measured lengths (sim/workload.py: load_lengths_file)."""
     group_correlation: float = non_negative(0.5)
     """Correlation of the normal scores of one prompt's samples' lengths, at most 1 (assumption; 1: all
     alike, 0: independent)."""
@@ -73,3 +74,34 @@ def load_simulate_config(overrides: list[str]) -> SimulateConfig:
     if cfg.length_family != "lognormal" and not cfg.length_file:
         raise ConfigError(f"simulate.length_file: length_family={cfg.length_family} needs a lengths file")
     return cfg
+
+
+def study_inputs(parser, args) -> tuple:
+    """The job's config and its `simulate.*` section from `args.config` and `args.overrides`, the lengths
+    file read once, and `args.gpus` parsed: anything bad stops the job with a message naming it."""
+    try:
+        cfg = load_config(args.config, [o for o in args.overrides if not o.startswith("simulate.")])
+        sim = load_simulate_config([o for o in args.overrides if o.startswith("simulate.")])
+    except ConfigError as e:
+        parser.error(str(e))
+    if sim.length_file:
+        try:
+            load_lengths_file(sim.length_file)
+        except ValueError as e:
+            parser.error(f"simulate.length_file: {e}")
+    tp = max(1, cfg.placement.engine_gpus)
+    args.gpus = number_list(parser, "--gpus", args.gpus, int, lambda g: g >= tp and g % tp == 0,
+                            f"multiples of placement.engine_gpus={tp} (GPUs per engine)")
+    return cfg, sim
+
+
+def number_list(parser, flag: str, text: str, kind, ok, rule: str) -> list:
+    """A comma-separated list of numbers, each checked; a bad one stops the job with a message naming it."""
+    try:
+        values = [kind(x) for x in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag} {text}: expected comma-separated {kind.__name__} values ({rule})")
+    bad = [v for v in values if not ok(v)]
+    if bad:
+        parser.error(f"{flag}: {', '.join(map(str, bad))}: expected {rule}")
+    return values

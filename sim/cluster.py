@@ -20,10 +20,10 @@ from april_ray.rollout.local import LocalPool, LocalProxy, resolve
 from april_ray.rollout.monitor import CompletionMonitor
 from april_ray.rollout.prompt_source import PromptSource
 from april_ray.rollout.store import PartialRolloutStore
-from april_ray.sim.engine import SimEngine
-from april_ray.sim.hardware import StepCost
-from april_ray.sim.workload import Workload
 from april_ray.types import GenerateRequest, SamplingParams, SampleState
+from sim.engine import SimEngine
+from sim.hardware import StepCost
+from sim.workload import Workload
 
 CONTROL_PLANE, ENGINE, OTHER = "control_plane", "engine", "other"
 
@@ -31,22 +31,15 @@ CONTROL_PLANE, ENGINE, OTHER = "control_plane", "engine", "other"
 class InlineReward:
     """The workload's stand-in reward, called in place of the worker's `RewardRunner`: rewards are not
     simulated, and the runner's thread per finished sample (which keeps slow reward functions off an
-    engine's event loop) would cost the simulation more than the sample itself. It returns a future that
-    is already done: one per distinct value, shared (a done future only hands out its result)."""
+    engine's event loop) would cost the simulation more than the sample itself."""
 
     errors = 0
 
     def __init__(self, fn):
         self.fn = fn
-        self.done: dict[float, asyncio.Future] = {}
 
-    def __call__(self, prompt: str, response: str, answer: str) -> asyncio.Future:
-        value = self.fn(prompt, response, answer)
-        fut = self.done.get(value)
-        if fut is None:
-            fut = self.done[value] = asyncio.get_running_loop().create_future()
-            fut.set_result(value)
-        return fut
+    async def __call__(self, prompt: str, response: str, answer: str) -> float:
+        return self.fn(prompt, response, answer)
 
     def drain_errors(self) -> int:
         return 0

@@ -31,8 +31,8 @@ import asyncio
 import heapq
 from collections import OrderedDict, deque
 
-from april_ray.sim.hardware import StepCost
 from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
+from sim.hardware import StepCost
 
 _STOP, _LENGTH = FinishReason.STOP, FinishReason.LENGTH
 
@@ -45,7 +45,7 @@ _repeated_items = 0
 
 def repeated(value: int | float, n: int) -> list:
     """`[value] * n`, one list per (value, n) shared by every output that needs it (an output's lists are
-    read, never changed in place: `Sample.extend` replaces a sample's lists): a new list per output filled
+    read, never changed in place: `Sample.extended` makes a sample's new lists): a new list per output filled
     a large simulation's memory with copies. At most `_MAX_REPEATED_ITEMS` items are kept (32 MB); past
     that the lists are let go."""
     global _repeated_items
@@ -100,7 +100,7 @@ class SimEngine:
         self.cap, self.kv_capacity, self.max_prefill = max_num_seqs, kv_capacity, max_prefill_tokens
         self.park_slots, self.max_versions = park_slots, max_versions
         self.version = self.next_version = version
-        self.loop = asyncio.get_event_loop()
+        self.loop = asyncio.get_running_loop()
         self.steps = 0
         self.context = 0
         """Tokens in the running rows' caches after `steps` steps."""
@@ -143,7 +143,7 @@ class SimEngine:
         return self.num_generated
 
     # -- the Engine protocol ----------------------------------------------------------------------------
-    def generate(self, request: GenerateRequest) -> "asyncio.Future[GenerateOutput]":
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
         key = request.request_id.rpartition("@")[0] or request.request_id  # `Workload.sample_key`, inline
         left, token = self.target(key, request.input_ids)
         budget, n_in = request.sampling.max_new_tokens, len(request.input_ids)
@@ -159,7 +159,11 @@ class SimEngine:
         self.waiting.append(_Request(request.request_id, key, fut, n_in, new, _STOP if todo <= budget else _LENGTH,
                                      token))
         self._poke()
-        return fut
+        try:
+            return await fut
+        except asyncio.CancelledError:  # the caller gave up: free the row, as the real engines do
+            self.abort(request.request_id)
+            raise
 
     def abort(self, request_id: str, park: bool = True) -> bool:
         for r in self.waiting:
@@ -214,9 +218,9 @@ class SimEngine:
     def _poke(self) -> None:
         """Something changed: handle it at the end of the step in progress (now, if idle)."""
         if self.timer is None:
-            self.timer = self.loop.timer(max(self.loop.now, self.t_free), self._boundary)
+            self.timer = self.loop.call_at(max(self.loop.time(), self.t_free), self._boundary)
             return
-        s, now = self.span, self.loop.now
+        s, now = self.span, self.loop.time()
         if s is None or s.n <= 1 or s.poked_at == now:
             return
         s.poked_at = now
@@ -226,7 +230,7 @@ class SimEngine:
         if done + 1 < s.n:
             self._set_steps(s, done + 1)
             self.timer.cancel()
-            self.timer = self.loop.timer(self._span_end(s), self._boundary)
+            self.timer = self.loop.call_at(self._span_end(s), self._boundary)
 
     def _set_steps(self, s: _Span, n: int) -> None:
         s.n = n
@@ -253,8 +257,8 @@ class SimEngine:
             end = s.t_start + s.prefill_s + s.decode_s  # `_span_end`, inline (a boundary per event)
             if self.loop.stall:
                 end += self.loop.stall_s - s.stall0
-            if end > self.loop.now + 1e-12:  # the thread was held up meanwhile: the span ends later
-                self.timer = self.loop.timer(end, self._boundary)
+            if end > self.loop.time() + 1e-12:  # the thread was held up meanwhile: the span ends later
+                self.timer = self.loop.call_at(end, self._boundary)
                 return
             self._advance(s, end)
         self._retire()
@@ -402,12 +406,12 @@ class SimEngine:
             heapq.heappop(heap)
         n = 1 if self.prefill_full else max(1, min(end - self.steps, room))
         loop, context, block = self.loop, self.context, self.block
-        start = self.t_free if continuing else max(self.t_free, loop.now)
+        start = self.t_free if continuing else max(self.t_free, loop.time())
         attended = self._attended() if self.span_class else 0.0
         decode_s = self.cost.decode_span(rows, context * block, n * block, attended)
         self.span = _Span(start, rows, context, self._prefill_s, n, loop.stall_s, attended, decode_s)
         # `_span_end` (no stall yet)
-        self.timer = loop.timer(start + self._prefill_s + decode_s, self._boundary)
+        self.timer = loop.call_at(start + self._prefill_s + decode_s, self._boundary)
 
     def _retract(self) -> None:
         r = self.running[next(reversed(self.running))]

@@ -12,11 +12,11 @@ import dataclasses
 import time
 
 from april_ray.config import Config, ConfigError, over_sampling_batch_size
-from april_ray.sim.clock import VirtualLoop, run_virtual
-from april_ray.sim.cluster import CONTROL_PLANE, OTHER, Schedule, Setting, saturated
-from april_ray.sim.config import SimulateConfig
-from april_ray.sim.hardware import ACCELERATORS, gpu_step_cost, kv_capacity_tokens, model_spec
-from april_ray.sim.workload import LengthModel, Workload, load_lengths_file
+from sim.clock import VirtualLoop, run_virtual
+from sim.cluster import CONTROL_PLANE, OTHER, Schedule, Setting, saturated
+from sim.config import SimulateConfig
+from sim.hardware import ACCELERATORS, gpu_step_cost, kv_capacity_tokens, model_spec
+from sim.workload import LengthModel, Workload, load_lengths_file
 
 
 def token_block(cfg: Config, sim: SimulateConfig) -> int:

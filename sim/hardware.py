@@ -9,7 +9,7 @@ On a GPU the terms are the roofline's two sides: reading the weights and the KV 
 (`(2 * params * rows + 4 * layers * q_width * context) / flops`); a small model's decode is bound by the
 first. A step also prefills the inputs admitted into it: per input token `2 * params / flops`, and per
 (new token, earlier token) pair of causal attention `4 * layers * q_width / flops`. On the CPU engine the
-terms are fitted to measured step times (`april_ray/sim/calibrate.py`).
+terms are fitted to measured step times (`sim/calibrate.py`).
 
 The sources of the constants are in the tables below; `bandwidth_efficiency` and `flops_efficiency` (what
 a serving engine achieves of the datasheet's peak) are assumptions, set in `SimulateConfig`.
@@ -82,7 +82,7 @@ def model_spec(path: str) -> ModelSpec:
         cfg, source = HF_CONFIGS[name]
         return spec_from_hf(name, cfg, source)
     raise ValueError(f"model.path: {path!r} has no config.json here, and {name!r} is not one of the models "
-                     f"whose published sizes april_ray/sim/hardware.py knows ({', '.join(HF_CONFIGS)})")
+                     f"whose published sizes sim/hardware.py knows ({', '.join(HF_CONFIGS)})")
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,9 @@ import time
 import numpy as np
 
 from april_ray.config import Config
-from april_ray.sim.cluster import Setting
-from april_ray.sim.hardware import StepCost
-from april_ray.sim.workload import LengthModel, Workload
+from sim.cluster import Setting
+from sim.hardware import StepCost
+from sim.workload import LengthModel, Workload
 
 FEATURES = ("one", "rows", "context", "prefilled", "any_prefill", "admitted", "restored", "regrouped", "attended")
 COSTS = ("a", "b", "c", "prefill_per_token", "prefill_per_step", "per_admitted", "per_restored_token", "per_regroup",
@@ -315,8 +315,8 @@ def bench_probe(cfg: Config, setting: Setting, measured: dict) -> tuple[float, f
     time, on the prompts the schedules start with, `--probe-seconds` after a second of warm-up, as
     `jobs/bench/schedule.py` measures it): (tokens per virtual second, mean context per running row)."""
     from april_ray.rollout.prompt_source import first_prompts
-    from april_ray.sim.clock import run_virtual
-    from april_ray.sim.cluster import restarted_probe
+    from sim.clock import run_virtual
+    from sim.cluster import restarted_probe
 
     wl = setting.workload
     rows = [ids[0] for ids in first_prompts(wl.examples(), wl.encode, cfg.task.seed, 512)]
@@ -335,7 +335,7 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
     from transformers import AutoTokenizer
 
     from april_ray.model import ensure_model
-    from april_ray.sim import study
+    from sim import study
     from april_ray.task.data import dataset_paths, read_examples
 
     tok = AutoTokenizer.from_pretrained(str(ensure_model(cfg)))
