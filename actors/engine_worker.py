@@ -20,7 +20,8 @@ import ray
 
 from actors.metrics import EngineMetrics
 from actors.refs import fetch_async
-from april_ray.config import EngineConfig, SamplingConfig, StalenessConfig, TaskConfig
+from actors.journal import RayJournal
+from april_ray.config import EngineConfig, RolloutConfig, SamplingConfig, StalenessConfig, TaskConfig
 from april_ray.rollout.engine_worker import build_worker
 from april_ray.engine.base import EngineFailure
 
@@ -28,10 +29,13 @@ from april_ray.engine.base import EngineFailure
 @ray.remote
 class EngineWorkerActor:
     def __init__(self, engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig,
-                 task: TaskConfig, model_path: str, version: int = 0, index: int = 0):
+                 task: TaskConfig, model_path: str, version: int = 0, index: int = 0,
+                 episodes: RolloutConfig | None = None, journal=None):
+        """`journal`: the job's `ToolJournalActor`, when `episodes.episode_fn` runs episodes."""
         # a sampling stream of its own: with one seed, every engine drew the same random numbers
         engine_cfg = dataclasses.replace(engine_cfg, seed=engine_cfg.seed + index)
-        self.worker = build_worker(engine_cfg, sampling_cfg, staleness, task, model_path, version)
+        self.worker = build_worker(engine_cfg, sampling_cfg, staleness, task, model_path, version, episodes=episodes,
+                                   journal=RayJournal(journal) if journal is not None else None)
         self.metrics = EngineMetrics(index, engine_cfg.max_num_seqs)
         self.metrics.set_version(version)
         self.index, self.version = index, version

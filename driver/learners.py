@@ -1,9 +1,14 @@
 """The learner ranks of a job: one `LearnerActor` per data-parallel rank, in the placement group's learner
 bundles (or sharing the engines' bundles when colocated), and how their weights reach the engines
 (`engine.weight_sync`, one class each, chosen once).
+
+On every channel a publish that meets an engine that is dead or restarting leaves it out, and the job goes
+on: only a learner's own death is a learner death. An engine left out is brought to the published weights
+through the object store once it answers (`EngineGroup.catch_up`), as under the object-store channel.
 """
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,6 +20,9 @@ from actors.learner import LearnerActor
 from april_ray.config import Config
 from april_ray.placement import actor_resources
 from driver.checkpoint import named_by_latest
+from driver.engines import settle
+
+log = logging.getLogger(__name__)
 
 
 # OpenMP threads that sleep at a barrier instead of spinning: on CPU cores shared with the engines (or with
@@ -62,9 +70,8 @@ class LearnerGroup:
         ]
         master = ray.get(self.actors[0].rendezvous.remote())
         world = len(self.actors)
-        mask_older_than = cfg.staleness.mask_older_than
         ray.get([a.setup.remote(cfg.learner, cfg.algorithm, cfg.sampling.temperature, cfg.sampling.max_response_len,
-                                mask_older_than, str(model_path), r, world, master, cfg.train.seed)
+                                cfg.staleness, str(model_path), r, world, master, cfg.train.seed)
                  for r, a in enumerate(self.actors)])
         self.model_path = str(model_path)
         self.sync = WEIGHT_SYNC[cfg.engine.weight_sync](self.actors, engines, cfg, self.model_path)
@@ -126,11 +133,12 @@ class BroadcastSync(ObjectStoreSync):
         """Each server's tensor-parallel ranks join the group (ranks 1 + i x tp_size ...)."""
 
     def publish(self, version: int) -> None:
-        urls = self.engines.urls()
-        ray.get([a.broadcast_weights.remote(urls, version, self.flush_cache, self.bucket_mb, self.backend,
-                                            self.tp_size)
-                 for a in self.learners])
-        self.engines.publish(None, version)
+        access = server_access(self.engines)
+        servers = [s for s in servers_of(access) if s is not None]
+        received = ray.get([a.broadcast_weights.remote(servers, version, self.flush_cache, self.bucket_mb,
+                                                       self.backend, self.tp_size)
+                            for a in self.learners])
+        adopt(self.engines, access, set().union(*received), version)
 
 
 class TensorSync(ObjectStoreSync):
@@ -142,19 +150,21 @@ class TensorSync(ObjectStoreSync):
         self.released = False
 
     def before_train(self) -> None:
-        self.engines.release_memory(["weights", "kv_cache", "cuda_graph"])
+        engine_calls(self.engines, "release_memory", ["weights", "kv_cache", "cuda_graph"])
         self.released = True
 
     def publish(self, version: int) -> None:
         if self.released:
-            self.engines.resume_memory(["weights"])
-        urls, world = self.engines.urls(), len(self.learners)
-        ray.get([a.hand_over_weights.remote(urls[r::world], version, self.flush_cache, self.bucket_mb)
-                 for r, a in enumerate(self.learners)])
+            engine_calls(self.engines, "resume_memory", ["weights"])
+        access, world = server_access(self.engines), len(self.learners)
+        servers = servers_of(access)
+        received = ray.get([a.hand_over_weights.remote([s for s in servers[r::world] if s is not None], version,
+                                                       self.flush_cache, self.bucket_mb)
+                            for r, a in enumerate(self.learners)])
         if self.released:
-            self.engines.resume_memory(["kv_cache", "cuda_graph"])
+            engine_calls(self.engines, "resume_memory", ["kv_cache", "cuda_graph"])
             self.released = False
-        self.engines.publish(None, version)
+        adopt(self.engines, access, set().union(*received), version)
 
 
 class DiskSync(ObjectStoreSync):
@@ -166,10 +176,44 @@ class DiskSync(ObjectStoreSync):
         self.path, self.model_path = str(Path(cfg.train.output_dir).resolve() / "weights"), model_path
 
     def publish(self, version: int) -> None:
-        urls = self.engines.urls()
-        ray.get([a.weights_to_disk.remote(self.path, self.model_path, urls, version, self.flush_cache)
-                 for a in self.learners])
-        self.engines.publish(None, version)
+        access = server_access(self.engines)
+        servers = [s for s in servers_of(access) if s is not None]
+        received = ray.get([a.weights_to_disk.remote(self.path, self.model_path, servers, version, self.flush_cache)
+                            for a in self.learners])
+        adopt(self.engines, access, set().union(*received), version)
+
+
+def server_access(engines) -> list[tuple[str, str, str] | None]:
+    """Each engine's (server URL, admin key, incarnation); None for an engine that is down."""
+    got = settle([a.server_access.remote() for a in engines.actors], timeout_s=60.0)
+    return [None if isinstance(g, Exception) else tuple(g) for g in got]
+
+
+def servers_of(access: list) -> list[tuple[str, str] | None]:
+    """What a learner needs of each server: (URL, admin key), None where the engine is down."""
+    return [None if a is None else a[:2] for a in access]
+
+
+def adopt(engines, access: list, received: set[str], version: int, wait_s: float = 5.0) -> None:
+    """The engines whose server loaded the weights of `version` serve it from now on (unless restarted since:
+    the incarnation is checked). The others are caught up from the object store now if they answer, else
+    by `run_step` once they are back."""
+    engines.weights = (None, version)
+    got = [e for e, a in enumerate(access) if a is not None and a[0] in received]
+    done = settle([engines.actors[e].update_weights.remote(None, version, access[e][2]) for e in got])
+    adopted = {e for e, out in zip(got, done) if not isinstance(out, Exception)}
+    for e, out in zip(got, done):
+        if e in adopted:
+            engines._seen(e, out["incarnation"])  # a restart that no step saw is counted here
+    missed = [e for e in range(len(access)) if e not in adopted]
+    if missed:
+        log.warning("engines %s missed the weights of version %d: caught up once they answer", missed, version)
+        engines.catch_up(missed, wait_s)
+
+
+def engine_calls(engines, method: str, *args) -> None:
+    """One call to every engine; one that is down is skipped (it is caught up once back)."""
+    settle([getattr(a, method).remote(*args) for a in engines.actors], timeout_s=60.0)
 
 
 WEIGHT_SYNC = {"object_store": ObjectStoreSync, "broadcast": BroadcastSync, "tensor": TensorSync, "disk": DiskSync}

@@ -11,6 +11,10 @@ started with `--skip-tokenizer-init`), `/abort_request`, `/pause_generation` (ab
 `meta_info.weight_versions` spans (SGLang reports the same field); `kv_cache` release also drops the
 parked caches of aborted requests (our prefix cache).
 
+Guarded as SGLang guards a server started with `--api-key` and `--admin-api-key` (`allowed`); each field
+of a body is checked for type and range before anything runs, so a bad request is a 400 naming the field
+and fails alone; bodies are capped at the largest legal request (`body_limit`, or `--max-body-mb`).
+
 A `/generate` call is a `Call`: it waits at the gate while generation is paused or weights are being
 replaced, then runs in the engine; a retracted call re-enters after `/continue_generation` with the
 tokens it has (its KV cache dropped, as SGLang's retract does); an abort anywhere returns what it has.

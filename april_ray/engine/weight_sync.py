@@ -19,8 +19,10 @@ import asyncio
 import base64
 import contextlib
 import io
+import logging
 import pickle
 import shutil
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
@@ -30,10 +32,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from april_ray.engine.sglang_client import BadRequestError
 from april_ray.engine.sglang_server import free_port
 
 
 DEFAULT_GROUP = "weight_update_group"
+log = logging.getLogger(__name__)
 
 
 def init_custom_process_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
@@ -215,19 +219,55 @@ def load_named_tensors(model: torch.nn.Module, named: list[tuple[str, torch.Tens
 # -- the learner's side, over the servers' HTTP clients (`sglang_client.SGLangEngine`) ---------------------
 
 class BroadcastSender:
-    """Learner rank 0's end of the broadcast: one group with every server (each server's TP ranks follow
-    `rank_offset`), metadata of each bucket over HTTP, its tensors by broadcast. Servers are paused in
-    place around an update, so no request samples from half-updated weights."""
+    """Learner rank 0's end of the broadcast: one group with every server that answers (each server's TP
+    ranks follow `rank_offset`), metadata of each bucket over HTTP, its tensors by broadcast. Servers are
+    paused in place around an update, so no request samples from half-updated weights.
 
-    def __init__(self, clients, master_address: str, backend: str, bucket_mb: float, tp_size: int = 1,
-                 group_name: str = DEFAULT_GROUP, timeout_s: float = 300.0):
-        self.clients, self.master_address, self.backend = clients, master_address, backend
-        self.urls = [c.url for c in clients]
+    A server that does not answer, or fails mid-update (its engine died), is left out: the driver catches
+    its engine up from the object store once it is back. The group is rebuilt, under a fresh name, whenever
+    its members change, which takes a restarted engine's new server in at the next update."""
+
+    def __init__(self, master_address: str, backend: str, bucket_mb: float, tp_size: int = 1,
+                 group_prefix: str = DEFAULT_GROUP, timeout_s: float = 300.0):
+        self.master_address, self.backend = master_address, backend
         self.bucket_bytes = int(bucket_mb * (1 << 20))
-        self.tp_size, self.group_name, self.timeout_s = tp_size, group_name, timeout_s
+        self.tp_size, self.group_prefix, self.timeout_s = tp_size, group_prefix, timeout_s
+        self.clients: list = []
+        """The group's members (besides rank 0)."""
+        self.group_name = ""
         self.pg = None
 
+    @property
+    def urls(self) -> list[str]:
+        return [c.url for c in self.clients]
+
+    async def send(self, clients, named: list[tuple[str, torch.Tensor]], version: int, flush_cache: bool,
+                   attempts: int = 2) -> list[str]:
+        """Broadcast into every server of `clients` that answers; returns the URLs of those that loaded the
+        weights (none after `attempts` failed updates)."""
+        try:
+            for _ in range(attempts):
+                answers = await asyncio.gather(*[_answers(c) for c in clients])
+                live = [c for c, ok in zip(clients, answers) if ok]
+                if [c.url for c in live] != self.urls or self.pg is None:
+                    await self.close()
+                    if not live:
+                        return []
+                    self.clients = live
+                    await self.connect()
+                try:
+                    await self._send(named, version, flush_cache)
+                    return self.urls
+                except RuntimeError as e:  # ServerError, ServerDied, gloo's error on a peer that died
+                    log.warning("weight broadcast to %s failed (%s: %s); regrouping with the servers that answer",
+                                self.urls, type(e).__name__, str(e)[:300])
+                    self._drop_local()
+            return []
+        finally:
+            await asyncio.gather(*[c.close() for c in {*clients, *self.clients}])  # this event loop's sessions
+
     async def connect(self) -> None:
+        self.group_name = f"{self.group_prefix}-{uuid.uuid4().hex[:8]}"
         port, world = free_port(self.master_address), 1 + len(self.clients) * self.tp_size
         joins = asyncio.gather(*[c.init_weights_update_group(self.master_address, port, 1 + i * self.tp_size, world,
                                                              self.group_name, self.backend)
@@ -236,9 +276,7 @@ class BroadcastSender:
                                           world, self.group_name, self.timeout_s)
         await joins
 
-    async def send(self, named: list[tuple[str, torch.Tensor]], version: int, flush_cache: bool) -> None:
-        if self.pg is None:
-            await self.connect()
+    async def _send(self, named: list[tuple[str, torch.Tensor]], version: int, flush_cache: bool) -> None:
         device = comm_device(self.backend, "cuda")
         async with weight_update(self.clients):
             parts = buckets(named, self.bucket_bytes)
@@ -247,19 +285,55 @@ class BroadcastSender:
                 last = version if i == len(parts) - 1 else None
                 posts = asyncio.gather(*[c.update_weights_from_distributed(meta.names, meta.dtypes, meta.shapes,
                                                                            self.group_name, flush_cache, last)
-                                         for c in self.clients])
-                await asyncio.to_thread(broadcast_bucket, self.pg, bucket, device)
-                await posts
-        await asyncio.gather(*[c.close() for c in self.clients])  # this event loop's sessions
+                                         for c in self.clients], return_exceptions=True)
+                try:
+                    await asyncio.to_thread(broadcast_bucket, self.pg, bucket, device)
+                except RuntimeError:  # a server died: the others wait for tensors that will not come
+                    self._drop_local()
+                    await posts
+                    raise
+                _raise_first(await posts)
+
+    def _drop_local(self) -> None:
+        """Leave the group on this side at once: the survivors' pending receives fail instead of waiting."""
+        if self.pg is not None:
+            destroy_group(self.pg)
+            self.pg = None
 
     async def close(self) -> None:
         """Leave the group; servers that are gone (a restarted engine's old one) are skipped."""
-        if self.pg is not None:
+        if self.clients:
             await asyncio.gather(*[c.destroy_weights_update_group(self.group_name) for c in self.clients],
                                  return_exceptions=True)
             await asyncio.gather(*[c.close() for c in self.clients])
-            destroy_group(self.pg)
-            self.pg = None
+        self._drop_local()
+        self.clients = []
+
+
+async def _answers(client, timeout_s: float = 10.0) -> bool:
+    try:
+        await asyncio.wait_for(client.health(), timeout_s)
+        return True
+    except (RuntimeError, asyncio.TimeoutError):
+        return False
+
+
+async def send_to_each(clients, send_one) -> list[str]:
+    """`send_one(client)` for every client at once; returns the URLs of those it succeeded for. A server that
+    fails (its engine died or is restarting) is left out, to be caught up once back."""
+    async def one(client) -> bool:
+        try:
+            await send_one(client)
+            return True
+        except RuntimeError as e:  # ServerError, ServerDied; a refused update (400) is a bug, raised
+            if isinstance(e, BadRequestError):
+                raise
+            log.warning("weights to %s failed (%s: %s): left out", client.url, type(e).__name__, str(e)[:300])
+            return False
+        finally:
+            await client.close()
+    done = await asyncio.gather(*[one(c) for c in clients])
+    return [c.url for c, ok in zip(clients, done) if ok]
 
 
 async def send_tensors(client, named: list[tuple[str, torch.Tensor]], version: int, flush_cache: bool,

@@ -1,0 +1,96 @@
+"""A weight publish that meets a dead server: the learner's end of each HTTP channel against real servers
+(subprocesses of our CPU server), one of them killed as a chaos kill would."""
+import asyncio
+
+import pytest
+import torch
+
+from april_ray.engine import weight_sync
+from april_ray.engine.sglang_client import SGLangEngine
+from april_ray.engine.sglang_server import CPUServerLauncher, ServerOptions
+from april_ray.types import GenerateRequest, SamplingParams
+
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def model(random_model_dir):
+    from april_ray.model import load_policy
+
+    return load_policy(random_model_dir)[0]
+
+
+def start(model_dir, tmp_path):
+    opts = ServerOptions(str(model_dir), max_num_seqs=4, max_model_len=MAX_LEN, startup_timeout_s=120,
+                         log_dir=str(tmp_path / "logs"))
+    return CPUServerLauncher().start(opts)
+
+
+def moved(model, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+
+
+def admin(*servers) -> list[SGLangEngine]:
+    """What a learner holds: each server's URL and admin key (no API key)."""
+    return [SGLangEngine(s.url, admin_api_key=s.admin_api_key) for s in servers]
+
+
+async def greedy(server, ids, n=6) -> list[int]:
+    client = SGLangEngine(server.url, max_model_len=MAX_LEN, server=server)
+    try:
+        return (await client.generate(GenerateRequest("g", ids, SamplingParams(0.0, max_new_tokens=n)))).token_ids
+    finally:
+        await client.close()
+
+
+def reference(model, sd, ids, n=6) -> list[int]:
+    clone = type(model)(model.config).eval()
+    clone.load_state_dict(sd)
+    out = clone.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n, pad_token_id=0,
+                         eos_token_id=None)
+    return out[0, len(ids):].tolist()
+
+
+def test_a_broadcast_leaves_a_dead_server_out_and_a_rebuilt_group_takes_its_successor_in(
+        random_model_dir, model, tmp_path):
+    ids = [5, 6, 7, 8]
+    a, b = start(random_model_dir, tmp_path), start(random_model_dir, tmp_path)
+    c = None
+    sender = weight_sync.BroadcastSender("127.0.0.1", "gloo", bucket_mb=0.05)  # several buckets
+    try:
+        async def main():
+            nonlocal c
+            first, second = moved(model, 1), moved(model, 2)
+            assert await sender.send(admin(a, b), list(first.items()), 1, True) == [a.url, b.url]
+            b.proc.kill()  # its engine died: the next publish leaves it out and goes on
+            b.proc.wait()
+            assert await sender.send(admin(a, b), list(second.items()), 2, True) == [a.url]
+            c = start(random_model_dir, tmp_path)  # the restarted engine's new server
+            assert await sender.send(admin(a, c), list(second.items()), 2, True) == [a.url, c.url]
+            return await greedy(a, ids), await greedy(c, ids), second
+        out_a, out_c, second = asyncio.run(main())
+        assert out_a == out_c == reference(model, second, ids)
+    finally:
+        for s in (a, b, c):
+            if s is not None:
+                s.stop()
+
+
+def test_a_handoff_or_disk_load_to_a_dead_server_leaves_it_out(random_model_dir, model, tmp_path):
+    a, b = start(random_model_dir, tmp_path), start(random_model_dir, tmp_path)
+    try:
+        b.proc.kill()
+        b.proc.wait()
+        sd = moved(model, 3)
+
+        async def main():
+            handed = await weight_sync.send_to_each(admin(a, b), lambda c: weight_sync.send_tensors(
+                c, list(sd.items()), 3, True, bucket_mb=1))
+            loaded = await weight_sync.send_to_each(admin(a, b), lambda c: c.update_weights_from_disk(
+                str(random_model_dir), True, 4))
+            return handed, loaded
+        assert asyncio.run(main()) == ([a.url], [a.url])
+    finally:
+        a.stop()
+        b.stop()
