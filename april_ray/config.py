@@ -114,6 +114,28 @@ class TaskConfig:
     reward_timeout_s: float = positive(30.0)
     """A reward call running longer gets reward 0 and counts in rollout/reward_errors (as does one that
     raises); the job goes on. It runs in a thread, so the engine's event loop never waits for it."""
+    reward_fn: str = ""
+    """`module:function` replacing the task's reward: `(prompt, response, answer, metadata) -> float`, sync or
+    async, imported once per engine worker (its directory on PYTHONPATH). `metadata` is the dataset row's
+    other fields. Empty: the task's own reward (countdown or math)."""
+    reward_url: str = ""
+    """A served reward model instead: each finished sample is POSTed as JSON {prompt, response, answer,
+    metadata}, and the reply is a number or {"reward": number}. Exclusive with reward_fn."""
+    reward_url_timeout_s: float = positive(10.0)
+    """Per request to reward_url; a request that times out, fails to connect or gets a 5xx is retried."""
+    reward_url_retries: int = non_negative(2)
+    """Retries after the first request (then the sample scores 0, counted as a reward error)."""
+    reward_after_think: bool = False
+    """The task's own reward (countdown, math) scores only the text after the last `</think>`; a response
+    without one scores 0 (a reasoning model cut off mid-thought gave no answer)."""
+    apply_chat_template: str = _rule("auto", "auto, true or false",
+                                     lambda v: str(v).lower() in ("auto", "true", "false"))
+    """auto: prompts go through the tokenizer's chat template when it has one; true: they must (an error if
+    it has none); false: prompt text is encoded as is (a chat row's user turns joined by newlines). With the
+    template a prompt's ids are exactly `tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+    **chat_template_kwargs)`; a string prompt is one user message, a list of messages keeps its system turns."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Passed to the chat template, e.g. {enable_thinking: false} for Qwen3."""
 
 
 @dataclass
@@ -353,6 +375,12 @@ def _check_across(cfg: Config) -> None:
         raise ConfigError("model.num_heads: must be a multiple of model.num_kv_heads")
     if cfg.task.length.max_terms < cfg.task.length.min_terms:
         raise ConfigError("task.length.max_terms: must be >= task.length.min_terms")
+    if cfg.task.reward_fn and cfg.task.reward_url:
+        raise ConfigError("task.reward_url: set either task.reward_fn or task.reward_url, not both")
+    if cfg.task.reward_url and not cfg.task.reward_url.startswith(("http://", "https://")):
+        raise ConfigError(f"task.reward_url: expected an http:// or https:// URL, got {cfg.task.reward_url!r}")
+    if cfg.task.reward_fn and ":" not in cfg.task.reward_fn:
+        raise ConfigError(f"task.reward_fn: expected module:function, got {cfg.task.reward_fn!r}")
     if cfg.task.name == "math" and not cfg.task.train_path:
         raise ConfigError("task.train_path: the math task needs a dataset file")
     if not cfg.model.path and cfg.engine.max_model_len > cfg.model.max_position_embeddings:

@@ -396,3 +396,29 @@ def test_a_cancelled_reward_cancels_the_group_call():
         return call
 
     assert asyncio.run(reward_cancelled()).cancelled()
+
+
+# -- dataset metadata: a row's other fields travel with its samples ------------------------------------
+def test_a_rows_other_fields_become_the_samples_metadata(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from april_ray.rollout.prompt_source import PromptSource
+
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}],
+             "reward_model": {"ground_truth": "2"}, "data_source": "dapo", "extra_info": {"index": 7, "tags": [1, 2]},
+             "level": 3.5}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    [ex] = read_examples(tmp_path / "d.parquet", answer_key="reward_model")
+    assert ex.metadata == {"data_source": "dapo", "extra_info": {"index": 7, "tags": [1, 2]}, "level": 3.5}
+    assert json.loads(json.dumps(ex.metadata)) == ex.metadata  # plain JSON values (pyarrow gave Python ones)
+    assert ex.prompt == "1+1?" and ex.as_given == rows[0]["prompt"]  # the system turn is kept for the template
+    [group] = PromptSource([ex], lambda p: [len(p)], 3, 8).take(1)
+    assert [s.metadata for s in group.samples] == [ex.metadata] * 3
+    assert group.samples[0].prompt_ids == [2]  # the encoder got the messages, not the text
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"question": "q", "final_answer": 4, "difficulty": 2}) + "\n"
+                    + json.dumps({"question": "r", "final_answer": 5}) + "\n")
+    a, b = read_examples(path, "question", "final_answer")
+    assert (a.metadata, b.metadata, a.as_given) == ({"difficulty": 2}, {}, "q")

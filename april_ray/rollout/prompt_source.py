@@ -45,9 +45,9 @@ class PromptSource:
         return groups
 
     def _group(self, ex: Example, group_id: str, step: int) -> Group:
-        ids = self.encode(ex.prompt)
-        samples = [Sample(f"{group_id}s{i}", group_id, ex.prompt, ex.answer, ids, self.max_response_len)
-                   for i in range(self.n)]
+        ids = self.encode(ex.as_given)  # a PromptEncoder: the chat template, if the task uses one
+        samples = [Sample(f"{group_id}s{i}", group_id, ex.prompt, ex.answer, ids, self.max_response_len,
+                          metadata=ex.metadata) for i in range(self.n)]
         return Group(group_id, ex.index, samples, created_step=step)
 
     def state_dict(self) -> dict:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from april_ray.config import TaskConfig
-from april_ray.task import countdown
+from april_ray.task import countdown, lookup_countdown
 
 
 @dataclass(frozen=True)
@@ -19,20 +19,34 @@ class Example:
     index: int
     """Row number in the dataset file (0-based); the prompt source's cursor counts these."""
     prompt: str
+    """The prompt as text: a chat row's user turns joined by newlines (what rewards and logs see)."""
     answer: str
     where: str = ""
     """`file:line` (JSONL) or `file: row i` (Parquet), for errors about this row."""
+    messages: tuple = ()
+    """A chat row's messages ({role, content}, system turns included) as the chat template gets them;
+    empty for a string prompt (one user message)."""
+    metadata: dict = field(default_factory=dict)
+    """The row's other fields (JSON values), handed to reward and episode functions."""
+
+    @property
+    def as_given(self) -> str | list[dict]:
+        """The prompt as the row gave it, for `PromptEncoder`: its text, or its list of messages."""
+        return list(self.messages) if self.messages else self.prompt
+
+
+def _messages(value: list, where: str, key: str) -> tuple:
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: field {key!r}[{i}]: expected a message with a string 'content'")
+        if not isinstance(m.get("role", "user"), str):
+            raise ValueError(f"{where}: field {key!r}[{i}]: 'role' must be a string")
+    return tuple({"role": m.get("role", "user"), "content": m["content"]} for m in value)
 
 
 def _text(value, where: str, key: str) -> str:
     if isinstance(value, list):  # chat layout (DAPO-Math-17k): the user turns' content
-        turns = []
-        for i, m in enumerate(value):
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-                raise ValueError(f"{where}: field {key!r}[{i}]: expected a message with a string 'content'")
-            if m.get("role", "user") == "user":
-                turns.append(m["content"])
-        value = "\n".join(turns)
+        value = "\n".join(m["content"] for m in _messages(value, where, key) if m["role"] == "user")
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{where}: field {key!r} must be a non-empty string (or a list of chat messages), "
                          f"got {type(value).__name__} {value!r:.60}")
@@ -57,8 +71,28 @@ def _check_row(row, where: str, prompt_key: str, answer_key: str, index: int) ->
     for key in (prompt_key, answer_key):
         if row.get(key) is None:
             raise ValueError(f"{where}: missing field {key!r} (fields: {sorted(row)[:10]})")
-    return Example(index, _text(row[prompt_key], where, prompt_key), _answer(row[answer_key], where, answer_key),
-                   where)
+    prompt = row[prompt_key]
+    messages = _messages(prompt, where, prompt_key) if isinstance(prompt, list) else ()
+    metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+    return Example(index, _text(prompt, where, prompt_key), _answer(row[answer_key], where, answer_key), where,
+                   messages, _json_values(metadata, where))
+
+
+def _json_values(metadata: dict, where: str) -> dict:
+    """The row's other fields as JSON values (Parquet gives numpy and datetime types): they travel with
+    the sample into the store's JSON and checkpoints."""
+    try:
+        return json.loads(json.dumps(metadata, default=_plain))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: a field other than the prompt and answer is not a JSON value ({e})") from None
+
+
+def _plain(value):
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} {value!r:.60}")
 
 
 def _jsonl_rows(path: Path):
@@ -116,7 +150,7 @@ def fit_context(examples: list[Example], encode, max_prompt_tokens: int, policy:
     unknown token `unk_id` is a ValueError naming the row and the characters (the policy would not see them)."""
     kept, long = [], []
     for ex in examples:
-        ids = encode(ex.prompt)
+        ids = encode(ex.as_given)
         if unk_id is not None and unk_id in ids:
             unknown = sorted({c for c in ex.prompt if unk_id in encode(c)})
             raise ValueError(f"{ex.where}: prompt has characters the tokenizer does not know ({''.join(unknown)[:20]!r}): "
@@ -139,6 +173,9 @@ def fit_context(examples: list[Example], encode, max_prompt_tokens: int, policy:
 
 
 def task_dir(cfg: TaskConfig, cache_dir: str) -> Path:
+    if cfg.name == "lookup_countdown":  # its lengths come from the tool's values, not task.length
+        key = json.dumps({"n": [cfg.num_train, cfg.num_eval], "seed": cfg.seed, "max_step": cfg.max_step})
+        return Path(cache_dir) / "data" / f"lookup-countdown-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     key = json.dumps({"length": asdict(cfg.length), "n": [cfg.num_train, cfg.num_eval], "seed": cfg.seed, "max_step": cfg.max_step})
     return Path(cache_dir) / "data" / f"countdown-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
@@ -150,6 +187,7 @@ def dataset_paths(cfg: TaskConfig, cache_dir: str) -> tuple[Path, Path]:
     out = task_dir(cfg, cache_dir)
     train, evaluation = out / "train.jsonl", out / "eval.jsonl"
     if not (train.is_file() and evaluation.is_file()):
-        countdown.write_jsonl(countdown.generate(cfg, cfg.num_train, cfg.seed), train)
-        countdown.write_jsonl(countdown.generate(cfg, cfg.num_eval, cfg.seed + 1), evaluation)
+        generate = lookup_countdown.generate if cfg.name == "lookup_countdown" else countdown.generate
+        countdown.write_jsonl(generate(cfg, cfg.num_train, cfg.seed), train)
+        countdown.write_jsonl(generate(cfg, cfg.num_eval, cfg.seed + 1), evaluation)
     return train, evaluation

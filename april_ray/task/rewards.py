@@ -1,23 +1,35 @@
-"""Verifiable rewards, chosen once by task name.
+"""Rewards, chosen once per engine worker from the task config (`build_reward_fn`).
 
-`math` uses HF's math-verify to parse and compare answers (LaTeX, boxed, fractions, sets, ...), the
-checker DAPO-style recipes use. `countdown` checks the embedded task exactly.
+Built in: `math` uses HF's math-verify to parse and compare answers (LaTeX, boxed, fractions, sets, ...),
+the checker DAPO-style recipes use; `countdown` checks the embedded task exactly. A user's function comes
+by dotted path (`task.reward_fn=module:function`) and a served reward model by URL (`task.reward_url`).
+Every reward has one signature, `(prompt, response, answer, metadata) -> float` (an async function too;
+one without `metadata` is called without it), and runs under `RewardRunner`: a call that raises, hangs or returns no number scores 0 and is counted.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
+import inspect
+import json
 import math
 import threading
-from typing import Callable
+import time
+import urllib.error
+import urllib.request
+from typing import Awaitable, Callable
 
+from april_ray.config import TaskConfig
 from april_ray.task.countdown import countdown_reward
 
-RewardFn = Callable[[str, str, str], float]
-"""(prompt, response, answer) -> reward."""
+RewardFn = Callable[[str, str, str, dict], "float | Awaitable[float]"]
+"""(prompt, response, answer, metadata) -> reward; metadata is the dataset row's other fields."""
+
+THINK_END = "</think>"
 
 
-def math_reward(prompt: str, response: str, answer: str) -> float:
+def math_reward(prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
     from math_verify import parse, verify
 
     # math-verify's own timeouts use SIGALRM, which only the main thread may set; elsewhere (the
@@ -31,16 +43,104 @@ def math_reward(prompt: str, response: str, answer: str) -> float:
     return float(verify(gold, pred, timeout_seconds=limit))
 
 
-def countdown_task_reward(prompt: str, response: str, answer: str) -> float:
+def countdown_task_reward(prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
     return countdown_reward(prompt, response)
 
 
 def get_reward_fn(task_name: str) -> RewardFn:
+    """The task's own reward."""
     if task_name == "countdown":
         return countdown_task_reward
     if task_name == "math":
         return math_reward
+    if task_name == "lookup_countdown":
+        from april_ray.task.lookup_countdown import reward
+        return reward
     raise ValueError(f"task.name: no reward for {task_name!r}")
+
+
+def after_think(fn: RewardFn) -> RewardFn:
+    """`fn` on the text after the last `</think>`; no `</think>`: no answer was given, 0."""
+    def scored(prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
+        head, sep, tail = response.rpartition(THINK_END)
+        return fn(prompt, tail, answer, metadata) if sep else 0.0
+    return scored
+
+
+def load_object(path: str, key: str):
+    """The object at `module:name` (the module imported from sys.path); a ValueError names `key`."""
+    module_name, _, name = path.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"{key}: expected module:function, got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{key}: cannot import {module_name!r} ({e}); is its directory on PYTHONPATH?") from e
+    obj = module
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{key}: module {module_name!r} ({module.__file__}) has no {name!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{key}: {path!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def build_reward_fn(task: TaskConfig) -> RewardFn:
+    """The reward the config asks for: task.reward_fn, task.reward_url, or the task's own."""
+    if task.reward_fn:
+        return load_object(task.reward_fn, "task.reward_fn")
+    if task.reward_url:
+        return UrlReward(task.reward_url, task.reward_url_timeout_s, task.reward_url_retries)
+    fn = get_reward_fn(task.name)
+    return after_think(fn) if task.reward_after_think else fn
+
+
+class RewardServerError(RuntimeError):
+    pass
+
+
+class UrlReward:
+    """POSTs {prompt, response, answer, metadata} as JSON to a served reward model; the reply is a number
+    or {"reward": number}. A timeout, a refused connection or a 5xx is retried `retries` times (backing
+    off 0.5 s, 1 s, ...); a 4xx is the request's own fault and is not. Runs in RewardRunner's threads."""
+
+    def __init__(self, url: str, timeout_s: float, retries: int):
+        self.url, self.timeout_s, self.retries = url, timeout_s, retries
+
+    def __call__(self, prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
+        body = json.dumps({"prompt": prompt, "response": response, "answer": answer,
+                           "metadata": metadata or {}}).encode()
+        why = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
+            try:
+                return self._reply(self._post(body))
+            except urllib.error.HTTPError as e:
+                why = f"HTTP {e.code}: {e.read()[:200].decode(errors='replace')!r}"
+                if e.code < 500:
+                    break
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                why = repr(getattr(e, "reason", e))
+        raise RewardServerError(f"task.reward_url {self.url}: {why} (after {attempt + 1} of {self.retries + 1} tries)")
+
+    def _post(self, body: bytes) -> bytes:
+        req = urllib.request.Request(self.url, body, {"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+            return r.read()
+
+    def _reply(self, raw: bytes) -> float:
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            raise RewardServerError(f"task.reward_url {self.url}: reply is not JSON: {raw[:200]!r}") from None
+        if isinstance(value, dict):
+            value = value.get("reward")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RewardServerError(f"task.reward_url {self.url}: expected a number or {{\"reward\": number}}, "
+                                    f"got {raw[:200]!r}")
+        return float(value)
 
 
 class RewardRunner:
@@ -48,13 +148,17 @@ class RewardRunner:
     `timeout_s`, or returns something that is not a finite number scores 0, and the call is counted in
     `errors` (drained with the engine's statistics) and logged (the first few).
 
-    Each call runs in a daemon thread of its own, so the engine's event loop never waits for it and the
-    timeout measures that call alone (no queueing behind a slow one). A thread cannot be stopped: a call
-    that hangs for good keeps its thread (a daemon, never joined at exit); `hung` counts them.
+    Each call of a plain function runs in a daemon thread of its own, so the engine's event loop never
+    waits for it and the timeout measures that call alone (no queueing behind a slow one). An async
+    function runs on the loop and is cancelled at the timeout, so it must await, never block. A thread
+    cannot be stopped: a call that hangs for good keeps its thread (a daemon, never joined at exit);
+    `hung` counts them.
     """
 
     def __init__(self, fn: RewardFn, timeout_s: float, log=print, max_logged: int = 5):
         self.fn = fn
+        self.num_args = 4 if _accepts(fn, 4) else 3
+        """A function of (prompt, response, answer) alone is called without the metadata."""
         self.timeout_s = timeout_s
         self.log = log
         self.max_logged = max_logged
@@ -63,13 +167,10 @@ class RewardRunner:
         self.total_errors = 0
         self.hung = 0
 
-    async def __call__(self, prompt: str, response: str, answer: str) -> float:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        threading.Thread(target=self._run, args=(loop, fut, (prompt, response, answer)), daemon=True,
-                         name="reward").start()
+    async def __call__(self, prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
+        args = (prompt, response, answer, metadata or {})[:self.num_args]
         try:
-            value = await asyncio.wait_for(fut, self.timeout_s)
+            value = await asyncio.wait_for(self._start(args), self.timeout_s)
             reward = float(value)
             if not math.isfinite(reward):
                 raise ValueError(f"returned {value!r}")
@@ -80,6 +181,15 @@ class RewardRunner:
         except Exception as e:  # the function's own error, or a result that is not a number
             return self._error(prompt, repr(e))
 
+    def _start(self, args) -> Awaitable:
+        """An async function runs on the event loop (cancelled at the timeout); a plain one in a thread."""
+        if inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None)):
+            return self.fn(*args)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        threading.Thread(target=self._run, args=(loop, fut, args), daemon=True, name="reward").start()
+        return fut
+
     def _run(self, loop, fut, args) -> None:
         try:
             out = (True, self.fn(*args))
@@ -87,6 +197,10 @@ class RewardRunner:
             out = (False, e)
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
             loop.call_soon_threadsafe(_settle, fut, out)
+
+    def failed(self, prompt: str, why: str) -> float:
+        """Score a call that failed outside the runner (an episode that raised): 0, counted and logged."""
+        return self._error(prompt, why)
 
     def _error(self, prompt: str, why: str) -> float:
         self.errors += 1
@@ -99,6 +213,16 @@ class RewardRunner:
     def drain_errors(self) -> int:
         n, self.errors = self.errors, 0
         return n
+
+
+def _accepts(fn, num_args: int) -> bool:
+    try:
+        inspect.signature(fn).bind(*range(num_args))
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (some builtins): assume the full one
+        return True
+    return True
 
 
 def _settle(fut: asyncio.Future, out) -> None:

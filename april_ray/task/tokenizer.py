@@ -2,6 +2,11 @@
 
 One id per printable ASCII character, so any prompt (the countdown task, or a math problem) round-trips.
 It loads through `AutoTokenizer.from_pretrained(path)`, the same call that loads Qwen3's tokenizer.
+
+Its chat template renders a lone user turn as its bare text, so the countdown's prompt ids are the same
+through the template (`task.apply_chat_template`, on by default) as without it: the warm-up, the
+benchmarks and the simulator's calibration (which encode raw prompt text) see what training sees. A
+system turn comes first, ended by a newline; an assistant turn ends with the end-of-sequence token.
 """
 from __future__ import annotations
 
@@ -13,6 +18,14 @@ from transformers import PreTrainedTokenizerFast
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIALS = (PAD, EOS, UNK)
 CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}{{ m['content'] + '\\n' }}"
+    "{%- elif m['role'] == 'assistant' -%}{{ m['content'] + eos_token }}"
+    "{%- else -%}{{ m['content'] }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -22,5 +35,5 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK,
-        clean_up_tokenization_spaces=False,
+        clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE,
     )
