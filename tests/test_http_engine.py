@@ -246,8 +246,8 @@ def test_weight_update_changes_outputs_to_the_new_weights(weights_server, model,
     async def main(c):
         before = await greedy_outputs(c, prompts, 16)
         if how == "broadcast":
-            sender = weight_sync.BroadcastSender([c], "127.0.0.1", "gloo", bucket_mb=0.1, timeout_s=60)
-            await sender.send(named, version, flush_cache=True)
+            sender = weight_sync.BroadcastSender("127.0.0.1", "gloo", bucket_mb=0.1, timeout_s=60)
+            assert await sender.send([c], named, version, flush_cache=True) == [c.url]
             await sender.close()
         elif how == "tensor":
             await weight_sync.send_tensors(c, named, version, flush_cache=True, bucket_mb=0.1)
