@@ -73,9 +73,10 @@ class EngineWorkerActor:
         self._check_serving()
         return await self.worker.throughput_probe(prompts, concurrency, seconds)
 
-    async def evaluate(self, items, temperature: float, tag: str) -> list[float]:
+    async def evaluate(self, items, temperature: float, tag: str,
+                       top_p: float | None = None) -> list[tuple[float, int]]:
         self._check_serving()
-        return await self.worker.evaluate(items, temperature, tag)
+        return await self.worker.evaluate(items, temperature, tag, top_p)
 
     async def abort_all(self, step) -> int:
         return self.worker.abort_all(step)

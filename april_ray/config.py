@@ -319,6 +319,34 @@ class TrainConfig:
 
 
 @dataclass
+class EvalSetConfig:
+    """One named evaluation set, read as training data is (JSONL or Parquet, errors naming the row)."""
+
+    path: str = ""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation sets beyond the held-out split: each scored with the task's reward every
+    train.eval_every steps, into eval/<name>/pass@1, eval/<name>/pass@k (k = 2, 4, ... up to
+    n_samples_per_prompt; the unbiased estimator of the Codex paper), eval/<name>/reward_mean and
+    eval/<name>/response_len. The held-out split (task.eval_path) keeps eval/accuracy_t1 and
+    eval/accuracy_greedy: one sample per prompt, at temperature 1 and greedily."""
+
+    datasets: dict[str, EvalSetConfig] = field(default_factory=dict)
+    """name -> {path, prompt_key, answer_key}, e.g. aime: {path: /data/aime-2024.parquet}."""
+    n_samples_per_prompt: int = positive(1)
+    """Responses per prompt (APRIL reports AIME with 16)."""
+    temperature: float = _rule(1.0, "0 or a finite number >= 1e-6", lambda v: v == 0 or 1e-6 <= v < float("inf"))
+    """0 means greedy."""
+    top_p: float = probability(1.0)
+    pass_reward: float = 1.0
+    """A response passes (for pass@k) when its reward is at least this."""
+
+
+@dataclass
 class PlacementConfig:
     """How actors map onto the cluster: one placement group, a bundle per engine (and learner rank)."""
 
@@ -354,6 +382,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -381,6 +410,11 @@ def _check_across(cfg: Config) -> None:
         raise ConfigError(f"task.reward_url: expected an http:// or https:// URL, got {cfg.task.reward_url!r}")
     if cfg.task.reward_fn and ":" not in cfg.task.reward_fn:
         raise ConfigError(f"task.reward_fn: expected module:function, got {cfg.task.reward_fn!r}")
+    for name, dataset in cfg.eval.datasets.items():
+        if not name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"eval.datasets.{name}: a name of letters, digits, - and _ (it names the metrics)")
+        if not dataset.path:
+            raise ConfigError(f"eval.datasets.{name}.path: required (a JSONL or Parquet file)")
     if cfg.task.name == "math" and not cfg.task.train_path:
         raise ConfigError("task.train_path: the math task needs a dataset file")
     if not cfg.model.path and cfg.engine.max_model_len > cfg.model.max_position_embeddings:
