@@ -38,7 +38,7 @@ class InlineReward:
     def __init__(self, fn):
         self.fn = fn
 
-    async def __call__(self, prompt: str, response: str, answer: str) -> float:
+    async def __call__(self, prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
         return self.fn(prompt, response, answer)
 
     def drain_errors(self) -> int:
