@@ -92,8 +92,10 @@ class LengthConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = one_of("countdown", "countdown", "math")
-    """countdown: the embedded synthetic task. math: answers checked with math-verify (needs train_path)."""
+    name: str = one_of("countdown", "countdown", "math", "lookup_countdown")
+    """countdown: the embedded synthetic task. math: answers checked with math-verify (needs train_path).
+    lookup_countdown: the embedded agent task, countdowns from values a tool looks up
+    (april_ray/task/lookup_countdown.py; its episode function is rollout.episode_fn)."""
     train_path: str = ""
     """JSONL or Parquet with prompt and answer fields. Empty: generate the countdown task in cache_dir."""
     eval_path: str = ""
@@ -224,6 +226,11 @@ class RolloutConfig:
     engine_wait_s: float = positive(600.0)
     """With every engine dead mid-step, wait this long for one to be restarted and handed back (with the
     current weights) before the step fails, its samples stored."""
+    episode_fn: str = _rule("", "empty or module:function", lambda v: not v or v.count(":") == 1)
+    """Multi-turn episodes: an async function `module:function` that drives each sample through its turns
+    (april_ray/rollout/episode.py); it must be importable on every node. Empty: one engine call per sample."""
+    tool_timeout_s: float = positive(60.0)
+    """An episode's async tool call running longer fails (the episode scores 0, counted with the reward errors)."""
 
     @property
     def over_sampling_factor(self) -> float:
@@ -297,6 +304,26 @@ class LearnerConfig:
     gpus: int = non_negative(0)
     """GPUs per learner rank."""
     cpus: float = non_negative(1.0)
+    dtype: str = one_of("auto", "auto", "float32", "bfloat16")
+    """Weights and activations: bfloat16 keeps fp32 master weights and optimiser states (DeepSpeed's bf16
+    section; torch autocast with the torch backend); the loss's log-probs are fp32 either way. auto: bfloat16
+    on a GPU, float32 on CPU (where bf16 matmuls are slower and the tiny model needs no memory saving)."""
+    gradient_checkpointing: bool = False
+    """Keep only each layer's input in the forward and recompute the layer in backward (about 1/3 more
+    compute for activations that no longer grow with the number of layers x their width)."""
+    logprob_chunk_tokens: int = non_negative(1024)
+    """The vocabulary head and log-softmax run on this many tokens at a time, recomputed in backward, so no
+    [tokens x vocab] tensor is whole (0: the whole micro-batch at once)."""
+    attn_implementation: str = one_of("sdpa", "sdpa", "eager", "flash_attention_2")
+    """Attention kernel of the learner's model (flash_attention_2 needs the flash-attn package and a GPU)."""
+    packing: str = one_of("auto", "auto", "on", "off")
+    """on: a micro-batch is its samples back to back in one row, positions restarting per sample, no
+    padding (micro_batch_tokens then counts real tokens). off: right-padded rows, their spread bounded by
+    max_spread (faster on CPU). auto: on with flash_attention_2 on a GPU (its varlen kernel keeps the
+    samples apart), off otherwise."""
+    gpu_memory_gb: float = positive(80.0)
+    """Memory of one learner GPU for the memory plan (`python -m jobs.plan`) when it runs where no GPU is
+    visible; a job on GPUs checks against the device's own."""
 
 
 @dataclass

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from april_ray.config import AlgorithmConfig, LearnerConfig, StalenessConfig
-from april_ray.learn.learner import Learner, advantages_for, collate, token_logprobs
+from april_ray.learn.learner import Learner, advantages_for, collate
+from april_ray.learn.logprobs import token_logprobs
 from april_ray.types import FinishReason, Sample, SampleState
 
 
@@ -86,9 +87,10 @@ def test_deepspeed_learner_single_rank_on_cpu(random_model_dir, tmp_path):
     learner.save(tmp_path, str(random_model_dir))
     from transformers import AutoModelForCausalLM
 
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
-    for k, v in reloaded.state_dict().items():
-        torch.testing.assert_close(v, after[k])
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").state_dict()
+    for k, v in after.items():  # the tied head is the embedding (only served names are published)
+        torch.testing.assert_close(reloaded[k], v)
+    torch.testing.assert_close(reloaded["lm_head.weight"], after["model.embed_tokens.weight"])
     assert (tmp_path / "optimizer" / "state").is_dir()
 
 
@@ -211,3 +213,68 @@ def test_off_policy_metrics_count_every_response_token_however_the_batch_is_cut(
         assert m["off_policy/masked_token_ratio"] == pytest.approx(80 / 88)
         assert m["off_policy/token_ratio"] == pytest.approx(80 / 88)
         assert m["off_policy/staleness_max"] == 3
+
+
+def test_checkpointing_chunks_and_packing_leave_the_gradients_unchanged(random_model_dir):
+    """The memory options change how the step runs, never what it computes."""
+    samples = stale_batch(random_model_dir)
+    plain = LearnerConfig(backend="torch", micro_batch_tokens=80, logprob_chunk_tokens=0, packing="off")
+    lean = replace(plain, logprob_chunk_tokens=5, gradient_checkpointing=True, packing="on")
+    (want, m_want), (got, m_got) = [gradients_of_one_step(Learner(str(random_model_dir), cfg, AlgorithmConfig(), 0.8, 32),
+                                                          samples) for cfg in (plain, lean)]
+    assert m_got["loss/policy"] == pytest.approx(m_want["loss/policy"], rel=1e-5, abs=1e-7)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-7)
+
+
+def test_bfloat16_with_the_torch_backend_keeps_fp32_masters_and_fp32_logprobs(random_model_dir):
+    learner = Learner(str(random_model_dir), LearnerConfig(backend="torch", dtype="bfloat16", lr=1e-3),
+                      AlgorithmConfig(), temperature=1.0, max_response_len=32)
+    samples = batch_from_policy(random_model_dir)
+    assert learner.proximal_logprobs(samples)[0].dtype == torch.float32
+    (grads, metrics), fp32 = gradients_of_one_step(learner, samples), Learner(
+        str(random_model_dir), LearnerConfig(backend="torch"), AlgorithmConfig(), 1.0, 32)
+    want, _ = gradients_of_one_step(fp32, samples)
+    assert all(p.dtype == torch.float32 for p in learner.module.parameters())
+    assert all(g.dtype == torch.float32 for g in grads.values())
+    cos = torch.nn.functional.cosine_similarity(torch.cat([g.flatten() for g in grads.values()]),
+                                                torch.cat([want[k].flatten() for k in grads]), dim=0)
+    assert cos > 0.98, cos  # bf16 matmuls: close to, not equal to, the fp32 gradient
+
+
+def test_a_tied_head_is_never_sent_and_the_engine_takes_the_weights_without_it(random_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from april_ray.engine.cpu_engine import LLMEngine
+    from april_ray.engine.weight_sync import save_for_disk_update
+    from april_ray.learn.optim import served_names
+
+    learner = Learner(str(random_model_dir), LearnerConfig(backend="torch", lr=1e-2), AlgorithmConfig(), 1.0, 32)
+    assert learner.module.config.tie_word_embeddings
+    learner.train_step(batch_from_policy(random_model_dir), version=0)
+    published = learner.state_dict()  # the object store's payload
+    with learner.optim.full_weights() as named:  # what broadcast, tensor handoff and disk send
+        sent = dict(named)
+        save_for_disk_update(named, str(tmp_path / "weights"), str(random_model_dir))
+    for names in (set(published), set(sent)):
+        assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+        assert not any("rotary_emb" in n for n in names)  # non-persistent buffers: never state
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "weights" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    engine_model = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32)
+    LLMEngine(engine_model, max_num_seqs=2, max_model_len=64).update_weights(published, version=1)
+    torch.testing.assert_close(engine_model.lm_head.weight, published["model.embed_tokens.weight"])
+    with pytest.raises(ValueError, match="missing"):  # an untied tensor that is missing is still an error
+        LLMEngine(engine_model, max_num_seqs=2, max_model_len=64).update_weights(
+            {k: v for k, v in published.items() if k != "model.norm.weight"}, version=2)
+    untied = AutoModelForCausalLM.from_config(replace_config(engine_model.config, tie_word_embeddings=False))
+    assert "lm_head.weight" in served_names(untied)
+
+
+def replace_config(config, **changes):
+    copy = type(config).from_dict(config.to_dict())
+    for k, v in changes.items():
+        setattr(copy, k, v)
+    return copy

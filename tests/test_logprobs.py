@@ -12,7 +12,7 @@ def tiny_model(vocab=1000, checkpointing=False):
                       num_key_value_heads=2, head_dim=16, intermediate_size=128, tie_word_embeddings=True)
     model = Qwen3ForCausalLM(cfg).float()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
 
 

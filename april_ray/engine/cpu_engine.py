@@ -119,7 +119,12 @@ class LLMEngine:
         """
         if state_dict is not None:
             with torch.no_grad():
-                self.runner.model.load_state_dict(state_dict, strict=True)
+                missing, unexpected = self.runner.model.load_state_dict(state_dict, strict=False)
+            # a tied head comes as the embedding alone (learn/optim.served_names): anything else is a mismatch
+            params = self.runner.model.state_dict(keep_vars=True)
+            untied = [n for n in missing if not any(params[n] is params[k] for k in state_dict)]
+            if unexpected or untied:
+                raise ValueError(f"weights do not match the engine's model (missing {untied}, unexpected {unexpected})")
         self.version = version
         self.parked.expire(version)
 

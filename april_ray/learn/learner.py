@@ -28,6 +28,7 @@ import torch
 from april_ray.learn import algorithms as algo
 from april_ray.batching import padded_chunks
 from april_ray.config import AlgorithmConfig, LearnerConfig, StalenessConfig
+from april_ray.learn.logprobs import num_chunks, packed_layout, padded_layout, selected_logprobs
 from april_ray.learn.optim import build_optim
 from april_ray.types import Sample
 
@@ -54,7 +55,8 @@ def collate(samples: list[Sample], pad_id: int, old_logp: list[torch.Tensor] | N
         versions[row, p - 1 : p - 1 + r] = torch.tensor(s.versions)
         if old is not None:
             old[row, p - 1 : p - 1 + r] = old_logp[row]
-    batch = {"input_ids": ids, "mask": mask, "behaviour_logp": behaviour, "versions": versions}
+    batch = {"input_ids": ids, "mask": mask, "behaviour_logp": behaviour, "versions": versions,
+             "lengths": torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples])}
     return batch | ({"old_logp": old} if old is not None else {})
 
 
@@ -64,12 +66,26 @@ def response_logprobs(logp: torch.Tensor, samples: list[Sample]) -> list[torch.T
             for row, s in enumerate(samples)]
 
 
-def token_logprobs(model, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log pi(token_{t+1} | tokens_<=t) under softmax(logits / temperature), as the engines sample."""
-    logits = model(input_ids=input_ids).logits[:, :-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]
+def packed_chunks(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices in length order, each chunk's total length under the budget (>= 1 row): packed rows have no
+    padding to bound."""
+    chunks: list[list[int]] = []
+    total = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if chunks and total + lengths[i] <= max_tokens:
+            chunks[-1].append(i)
+            total += lengths[i]
+        else:
+            chunks.append([i])
+            total = lengths[i]
+    return chunks
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`learner.dtype`, auto resolved: bfloat16 on a GPU, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
 
 
 def advantages_for(samples: list[Sample], algo_cfg: AlgorithmConfig, max_response_len: int) -> torch.Tensor:
@@ -115,12 +131,20 @@ class Learner:
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
-        model.train()
+        self.dtype = resolve_dtype(learner_cfg.dtype, self.device)
+        self.packed = learner_cfg.packing == "on" or (learner_cfg.packing == "auto" and self.device.type == "cuda"
+                                                      and learner_cfg.attn_implementation == "flash_attention_2")
+        attn = learner_cfg.attn_implementation
+        # fp32 weights: the optimiser's masters (DeepSpeed's bf16 section makes its own bf16 copy)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn)
+        if learner_cfg.gradient_checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.to(self.device).train()
         self.ref = None
         if algo_cfg.kl_coef > 0:
-            self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device).eval()
-        self.optim = build_optim(model, learner_cfg, rank, world_size, master_port)
+            self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype,
+                                                            attn_implementation=attn).to(self.device).eval()
+        self.optim = build_optim(model, learner_cfg, rank, world_size, master_port, self.dtype)
 
     @property
     def model(self):
@@ -168,7 +192,10 @@ class Learner:
         rank that cuts fewer than another repeats its last one, which weighs 0 in the loss (ZeRO-2/3
         communicate in every micro-batch's forward or backward)."""
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        chunks = padded_chunks(lengths, self.cfg.micro_batch_tokens, self.cfg.max_spread)
+        if self.packed:
+            chunks = packed_chunks(lengths, self.cfg.micro_batch_tokens)
+        else:
+            chunks = padded_chunks(lengths, self.cfg.micro_batch_tokens, self.cfg.max_spread)
         return chunks + [chunks[-1]] * (self.optim.most_of_any_rank(len(chunks)) - len(chunks)), len(chunks)
 
     @torch.no_grad()
@@ -177,8 +204,8 @@ class Learner:
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
         for idx in self.micro_batches(samples)[0]:  # a repeat recomputes the same values
             part = [samples[i] for i in idx]
-            ids = collate(part, self.pad_id)["input_ids"].to(self.device)
-            for i, lp in zip(idx, response_logprobs(token_logprobs(self.model, ids, self.temperature), part)):
+            batch = {k: t.to(self.device) for k, t in collate(part, self.pad_id).items()}
+            for i, lp in zip(idx, response_logprobs(self.logprobs(self.model, batch).float().cpu(), part)):
                 out[i] = lp
         return out
 
@@ -231,7 +258,7 @@ class Learner:
     def _loss(self, batch, adv, version):
         """This micro-batch's policy loss (its mean over its loss units), its KL to the reference (None
         without one; a mean over kept tokens) and its metrics, each over the micro-batch."""
-        logp = token_logprobs(self.model, batch["input_ids"], self.temperature)
+        logp = self.logprobs(self.model, batch)
         old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()
         weights, keep, metrics = algo.off_policy_weights(
             old_logp, batch["behaviour_logp"], batch["versions"], version, batch["mask"],
@@ -241,13 +268,22 @@ class Learner:
         kl = None
         if self.ref is not None:
             with torch.no_grad():
-                ref_logp = token_logprobs(self.ref, batch["input_ids"], self.temperature)
+                ref_logp = self.logprobs(self.ref, batch)
             kl = algo.kl_k3(logp, ref_logp, keep)
             metrics["loss/kl"] = float(kl)
         metrics["loss/policy"] = float(out.loss.detach())
         metrics["train/behaviour_logp_gap"] = float(algo.masked_mean((old_logp - batch["behaviour_logp"]).abs(),
                                                                      batch["mask"]))
         return out.loss, kl, metrics
+
+    def logprobs(self, model, batch) -> torch.Tensor:
+        """fp32 log-probs of the micro-batch's loss positions (0 elsewhere), in `collate`'s padded layout:
+        the model reads padded rows or one packed row, and the vocabulary head runs in chunks of tokens."""
+        ids, positions = batch["input_ids"], batch["mask"] > 0
+        layout = packed_layout(ids, batch["lengths"].tolist(), positions) if self.packed else padded_layout(ids, positions)
+        chunks = self.optim.lockstep(num_chunks(len(layout.src), self.cfg.logprob_chunk_tokens))
+        with self.optim.autocast():
+            return selected_logprobs(model, layout, self.temperature, chunks)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU weights for the engines (under ZeRO-3, every rank must call this: it gathers)."""

@@ -1,9 +1,11 @@
 """The learner's optimiser backends, one class each, chosen once when the learner is built.
 
-Both wrap the policy and expose the same operations: forward through `model`, `backward` of one
-micro-batch's loss, `step` at the end of a batch (returns the gradient norm), `full_state_dict` (full
-weights on CPU for the engines and for saving), `full_weights` (every rank sees the full weights in
-place, for a direct hand-over to inference servers), and `save` / `load` of the optimiser state.
+Both wrap the policy and expose the same operations: forward through `model` (inside `autocast()`),
+`backward` of one micro-batch's loss, `step` at the end of a batch (returns the gradient norm),
+`full_state_dict` (full weights on CPU for the engines and for saving), `full_weights` (every rank sees the
+full weights in place, for a direct hand-over to inference servers), and `save` / `load` of the optimiser
+state. Both weight views hold what a server's model has (`served_names`): no tied alias, no
+non-persistent buffer.
 """
 from __future__ import annotations
 
@@ -19,14 +21,40 @@ from april_ray.learn.safe_state import deepspeed_checkpoint_engine, load_state, 
 OPTIMIZER_FILE = "optimizer.safetensors"
 
 
-class TorchOptim:
-    """Plain torch AdamW on one rank."""
+def served_names(module) -> set[str]:
+    """The state-dict names an inference server's model has: each tensor under its first name only. A tied
+    head (`lm_head.weight` when `tie_word_embeddings`) is the embedding under a second name: SGLang's loader
+    drops it, and for Qwen3-4B it is 0.78 GB of every update. The state dict already leaves out
+    non-persistent buffers (rotary frequencies), which the server computes itself."""
+    first: dict[int, str] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        first.setdefault(id(t), name)
+    return set(first.values())
 
-    def __init__(self, model, cfg: LearnerConfig):
+
+def _served(named, served: set[str]) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t) for n, t in named if n in served]
+
+
+class TorchOptim:
+    """Plain torch AdamW on one rank; bfloat16 runs the forward under autocast over the fp32 weights."""
+
+    def __init__(self, model, cfg: LearnerConfig, dtype: torch.dtype = torch.float32):
         self.model = self.module = model
-        self.cfg = cfg
+        self.cfg, self.dtype = cfg, dtype
+        self.served = served_names(model)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.steps = 0
+
+    def autocast(self):
+        """bf16 matmuls over fp32 master weights (the optimiser and its states stay fp32)."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(next(self.module.parameters()).device.type, dtype=self.dtype)
+
+    def lockstep(self, n: int) -> int:
+        """One rank: its own count."""
+        return n
 
     def backward(self, loss: torch.Tensor, is_last: bool) -> None:
         loss.backward()
@@ -49,11 +77,11 @@ class TorchOptim:
         return float(norm)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in _served(self.module.state_dict().items(), self.served)}
 
     @contextlib.contextmanager
     def full_weights(self):
-        yield list(self.module.state_dict().items())
+        yield _served(self.module.state_dict().items(), self.served)
 
     def save(self, path: Path, rank: int) -> None:
         if rank == 0:
@@ -74,11 +102,22 @@ class TorchOptim:
 class DeepSpeedOptim:
     """DeepSpeed ZeRO 0-3 (gloo on CPU, NCCL/RCCL on GPU) over the data-parallel ranks."""
 
-    def __init__(self, model, cfg: LearnerConfig, rank: int, world_size: int, master_port: int):
+    def __init__(self, model, cfg: LearnerConfig, rank: int, world_size: int, master_port: int,
+                 dtype: torch.dtype = torch.float32):
+        self.served = served_names(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.model, self.optimizer = init_deepspeed(model, optimizer, cfg, rank, world_size, master_port)
+        self.model, self.optimizer = init_deepspeed(model, optimizer, cfg, rank, world_size, master_port, dtype)
         self.module = self.model.module
         self.cfg = cfg
+
+    def autocast(self):
+        """Nothing to do: with bf16 DeepSpeed holds the module in bf16 and the fp32 masters in the optimiser."""
+        return contextlib.nullcontext()
+
+    def lockstep(self, n: int) -> int:
+        """How many calls of a module every rank makes where each rank needs `n`: under ZeRO-3 every call
+        gathers the module's weights, a collective that every rank must join as often."""
+        return self.most_of_any_rank(n) if self.cfg.zero_stage == 3 else n
 
     @property
     def steps(self) -> int:
@@ -121,20 +160,20 @@ class DeepSpeedOptim:
         rank 0 receives them (the others get an empty dict)."""
         if self.cfg.zero_stage == 3:
             gathered = self.model._zero3_consolidated_16bit_state_dict()
-            return {k: v.cpu() for k, v in (gathered or {}).items()}
-        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+            return {k: v.cpu() for k, v in _served((gathered or {}).items(), self.served)}
+        return {k: v.detach().cpu().clone() for k, v in _served(self.module.state_dict().items(), self.served)}
 
     @contextlib.contextmanager
     def full_weights(self):
         """Every rank: the full weights, where they live, for the duration of the block (a ZeRO-3 rank
         gathers all partitions; every rank must enter)."""
         if self.cfg.zero_stage != 3:
-            yield list(self.module.state_dict().items())
+            yield _served(self.module.state_dict().items(), self.served)
             return
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(self.module.parameters())):
-            yield list(self.module.state_dict().items())
+            yield _served(self.module.state_dict().items(), self.served)
 
     def save(self, path: Path, rank: int) -> None:
         self.model.checkpoint_engine = deepspeed_checkpoint_engine()  # safetensors, not torch.save's pickles
@@ -148,10 +187,11 @@ class DeepSpeedOptim:
         self.model.load_checkpoint(str(path / "optimizer"), tag="state")
 
 
-def build_optim(model, cfg: LearnerConfig, rank: int, world_size: int, master_port: int):
+def build_optim(model, cfg: LearnerConfig, rank: int, world_size: int, master_port: int,
+                dtype: torch.dtype = torch.float32):
     if cfg.backend == "deepspeed":
-        return DeepSpeedOptim(model, cfg, rank, world_size, master_port)
-    return TorchOptim(model, cfg)
+        return DeepSpeedOptim(model, cfg, rank, world_size, master_port, dtype)
+    return TorchOptim(model, cfg, dtype)
 
 
 def init_process_group(backend: str, rank: int, world_size: int, master_port: int) -> None:
@@ -167,7 +207,8 @@ def init_process_group(backend: str, rank: int, world_size: int, master_port: in
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 
 
-def init_deepspeed(model, optimizer, cfg: LearnerConfig, rank: int, world_size: int, master_port: int):
+def init_deepspeed(model, optimizer, cfg: LearnerConfig, rank: int, world_size: int, master_port: int,
+                   dtype: torch.dtype = torch.float32):
     """A module-level function on purpose: Ray cannot pickle actor methods that touch `deepspeed.ops`."""
     import deepspeed
 
@@ -184,7 +225,7 @@ def init_deepspeed(model, optimizer, cfg: LearnerConfig, rank: int, world_size: 
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": {"stage": cfg.zero_stage},
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": on_gpu},
+        "bf16": {"enabled": dtype == torch.bfloat16},  # bf16 module, fp32 masters and optimiser states
         "steps_per_print": 1 << 30,
     }
     engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
