@@ -202,3 +202,17 @@ def test_parked_caches_past_the_staleness_bound_free_their_slots():
         return counts
 
     assert run_virtual(main) == [1, 1, 0]
+
+
+def test_a_caller_that_gives_up_frees_its_row():
+    """A cancelled call (the worker's gather cancels a group's other samples when one fails) is aborted,
+    as the real engines abort theirs: its row is free at the end of the step in progress."""
+    async def main(loop):
+        e = SimEngine(FLAT, Lengths(50), max_num_seqs=4, kv_capacity=10_000, max_prefill_tokens=1000)
+        task = asyncio.ensure_future(e.generate(request("a@0")))
+        await asyncio.sleep(0.105)
+        task.cancel()
+        await asyncio.sleep(0.02)
+        return task.cancelled(), len(e.running), len(e.waiting), e.context
+
+    assert run_virtual(main) == (True, 0, 0, 0)

@@ -13,8 +13,8 @@ the control plane's (monitor, source, store: their tasks' CPU) and the rest (eng
 engines, the event loop). Then the worker alone: N' groups of fresh samples through the real
 `LocalPool` and `EngineWorker`, on the same virtual loop, over an engine that answers every request at
 once with the sample's drawn length (the output's lists as long as the simulated engine's), CPU per
-sample call. `budget_us_per_call`: what a sample call may cost, at the calls per step measured here, for
-`jobs.simulate`'s 20 steps of each schedule (APRIL with its 3 warm-up steps) to take 2 minutes of CPU.
+sample call. `predicted_cpu_s`: what `jobs.simulate`'s 20 steps of each schedule (APRIL with its 3 warm-up
+steps) take at these costs.
 
 With `--ops`, each schedule also runs once more under a tracer that counts the Python bytecode operations
 executed and the Python functions called, per sample call and by file. The count is the same on any
@@ -43,9 +43,6 @@ from sim.clock import run_virtual
 from sim.cluster import InlineReward
 from sim.config import study_inputs
 from sim.engine import repeated
-
-BAR_CPU_S = 120.0
-
 
 class InstantEngine:
     """Answers each request at once: the sample's drawn blocks (at most its budget), finished, version 0,
@@ -180,7 +177,6 @@ def main() -> None:
         worker = worker_alone(setting, groups, cfg.rollout.n_samples_per_prompt, rounds=2)
         # jobs.simulate's steps per schedule: APRIL's warm-up besides the measured ones
         steps = {k: sim.steps + study.warmup_steps(k, sim) for k in study.SCHEDULES}
-        calls = sum(costs[k]["sample_calls_per_step"] * steps[k] for k in costs)
         if args.ops:
             for k in study.SCHEDULES:
                 costs[k]["ops"] = schedule_ops(cfg, sim, gpus, factor, args.steps, args.warmup if k == "april" else 0, k)
@@ -188,16 +184,15 @@ def main() -> None:
                 print(f"gpus {gpus:5d}  {k:10s} {o['ops_per_call']:.0f} Python operations and "
                       f"{o['python_calls_per_call']:.1f} function calls per sample call", flush=True)
         rows.append({"gpus": gpus, "factor": factor, **costs, "worker_alone": worker,
-                     "budget_us_per_call": BAR_CPU_S / calls * 1e6,
                      "predicted_cpu_s": sum(costs[k]["cpu_s_per_step"] * steps[k] for k in costs)})
         a = costs["april"]
         print(f"gpus {gpus:5d}  APRIL {a['us_per_call']:.1f} us/call (control plane {a['control_plane_us_per_call']:.1f}, "
               f"rest {a['rest_us_per_call']:.1f}; {a['spans_per_call']:.2f} spans/call)  sync "
               f"{costs['sync']['us_per_call']:.1f}  over-provisioned {costs['oversample']['us_per_call']:.1f}  "
-              f"worker alone {worker['us_per_call']:.1f}  budget {rows[-1]['budget_us_per_call']:.1f} us/call  "
+              f"worker alone {worker['us_per_call']:.1f}  "
               f"-> jobs.simulate ~{rows[-1]['predicted_cpu_s']:.0f} s CPU", flush=True)
     write_result(args.json, {"wall_s": time.time() - t0, "steps": args.steps, "warmup": args.warmup,
-                             "bar_cpu_s": BAR_CPU_S, "results": rows})
+                             "results": rows})
 
 
 if __name__ == "__main__":
