@@ -22,8 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3
 
 from april_ray.batching import padded_chunks
 from april_ray.config import Config, ModelConfig
+from april_ray.task import lookup_countdown
 from april_ray.task.data import dataset_paths, read_examples
-from april_ray.task.tokenizer import build_tokenizer
+from april_ray.task.tokenizer import CHAT_TEMPLATE, build_tokenizer
 
 
 def build_random_model(cfg: ModelConfig, vocab_size: int, pad_id: int, eos_id: int, seed: int = 0):
@@ -42,7 +43,8 @@ def embedded_model_dir(cfg: Config) -> Path:
         {"model": {k: v for k, v in asdict(cfg.model).items() if k not in ("path", "cache_dir")},
          "warmup": {k: v for k, v in asdict(cfg.warmup).items() if k != "num_threads"},
          "task": {"length": asdict(cfg.task.length), "seed": cfg.task.seed, "n": cfg.task.num_train,
-                  "max_step": cfg.task.max_step}},
+                  "max_step": cfg.task.max_step} | ({} if cfg.task.name == "countdown" else {"name": cfg.task.name}),
+         "chat_template": CHAT_TEMPLATE},
         sort_keys=True,
     )
     return Path(cfg.model.cache_dir) / "models" / f"tiny-qwen3-countdown-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
@@ -126,14 +128,27 @@ def load_policy(path: str | Path, dtype=torch.float32):
     return model.eval(), tokenizer
 
 
+def _sequence(tokenizer, ex, task_name: str) -> tuple[list[int], list[int]]:
+    """(ids, labels) of prompt + answer + EOS: the loss on the model's tokens only (not on the prompt, nor on
+    the environment's tokens of an agent task's transcript)."""
+    prompt = tokenizer.encode(ex.prompt)
+    parts = lookup_countdown.segments(ex.prompt) if task_name == "lookup_countdown" else [(ex.answer, True)]
+    ids, labels = list(prompt), [-100] * len(prompt)
+    for text, trained in parts:
+        part = tokenizer.encode(text)
+        ids += part
+        labels += part if trained else [-100] * len(part)
+    return ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
+
+
 def _collate(seqs, idx, pad_id):
     width = max(len(seqs[i][0]) for i in idx)
     ids = torch.full((len(idx), width), pad_id)
     labels = torch.full((len(idx), width), -100)
     for row, i in enumerate(idx):
-        toks, prompt_len = seqs[i]
+        toks, targets = seqs[i]
         ids[row, : len(toks)] = torch.tensor(toks)
-        labels[row, prompt_len : len(toks)] = torch.tensor(toks[prompt_len:])
+        labels[row, : len(toks)] = torch.tensor(targets)
     return ids, labels
 
 
@@ -143,10 +158,7 @@ def warmup(model, tokenizer, examples, cfg: Config, log=print) -> None:
     torch.manual_seed(w.seed)
     torch.set_num_threads(w.num_threads)
     rng = random.Random(w.seed)
-    seqs = []
-    for ex in examples:
-        p = tokenizer.encode(ex.prompt)
-        seqs.append((p + tokenizer.encode(ex.answer) + [tokenizer.eos_token_id], len(p)))
+    seqs = [_sequence(tokenizer, ex, cfg.task.name) for ex in examples]
     batches = padded_chunks([len(toks) for toks, _ in seqs], w.batch_size * 64)
     rng.shuffle(batches)
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=0.0, betas=(0.9, 0.98))

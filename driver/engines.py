@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import OutOfMemoryError, RayActorError
 from ray.util.placement_group import placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from actors.engine_worker import EngineWorkerActor
+from actors.journal import ToolJournalActor
 from april_ray.config import Config
 from april_ray.placement import Layout, actor_resources
 from april_ray.engine.base import EngineFailure
@@ -51,6 +53,8 @@ class EngineGroup:
     """A callable that puts the current weights in the object store (`LearnerGroup.weights_ref`): how a
     restarted engine is caught up when the weights reached the servers by another channel
     (engine.weight_sync broadcast, tensor or disk), for that engine alone."""
+    journal: object = None
+    """The episodes' `ToolJournalActor` (None without rollout.episode_fn)."""
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, layout: Layout, version: int = 0,
@@ -60,17 +64,19 @@ class EngineGroup:
         if not pg.wait(timeout_s):
             raise RuntimeError(f"placement group {layout.bundles} ({layout.strategy}) could not be placed within "
                                f"{timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}")
+        journal = start_journal(cfg)
         actors = [
             EngineWorkerActor.options(
                 **actor_resources(layout, b),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
                 max_restarts=-1,  # a dead engine comes back in its bundle, under the same handle
-            ).remote(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, str(model_path), version, index)
+            ).remote(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, str(model_path), version, index,
+                     episodes=cfg.rollout, journal=journal)
             for index, b in enumerate(layout.engine_bundles)
         ]
         status = ray.get([e.status.remote() for e in actors])  # loaded and serving
         return cls(actors, [cfg.engine.max_num_seqs] * len(actors), pg, layout, (None, version),
-                   [st["incarnation"] for st in status])
+                   [st["incarnation"] for st in status], journal=journal)
 
     def publish(self, weights_ref, version: int) -> None:
         """Every engine adopts the weights behind one object ref (one `ray.put`, no per-engine copies);
@@ -165,9 +171,19 @@ class EngineGroup:
                 "engine/stats_skipped": self.stats_skipped, "engine/restarts": self.restarts}
 
     def shutdown(self) -> None:
-        for actor in self.actors:
+        for actor in self.actors + ([self.journal] if self.journal is not None else []):
             ray.kill(actor)
         ray.util.remove_placement_group(self.placement_group)
+
+
+def start_journal(cfg: Config):
+    """With episodes, the job's tool journal: on the driver's node, its file in train.output_dir (a resumed
+    job reads it back, so no tool call that returned runs again after a restart)."""
+    if not cfg.rollout.episode_fn:
+        return None
+    node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    path = Path(cfg.train.output_dir).resolve() / "tool_journal.jsonl"
+    return ToolJournalActor.options(scheduling_strategy=node).remote(str(path))
 
 
 def settle(refs: list, timeout_s: float | None = None) -> list:

@@ -15,7 +15,7 @@ from april_ray.task.evaluate import accuracy, eval_items
 
 
 async def held_out_accuracy(cfg, path) -> dict[str, float]:
-    worker = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, str(path))
+    worker = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, str(path), episodes=cfg.rollout)
     _, eval_path = dataset_paths(cfg.task, cfg.model.cache_dir)
     items = eval_items(read_examples(eval_path, cfg.task.prompt_key, cfg.task.answer_key), worker.encode)
     return {"accuracy_t1": await accuracy(worker, items, 1.0), "accuracy_greedy": await accuracy(worker, items, 0.0)}

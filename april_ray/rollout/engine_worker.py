@@ -10,6 +10,10 @@ a closed step that arrives later (it was in flight in Ray's queue when the abort
 untouched, instead of escaping the abort (an abort sent once would miss it). A step is any hashable token
 unique to one rollout step; the monitor uses (its run id, step number), so a new monitor on the same
 engines starts with open steps.
+
+With `rollout.episode_fn` each sample is an episode of several turns (april_ray/rollout/episode.py): the
+worker runs the episode function instead of one engine call, and an abort that lands inside one of its
+turns leaves the sample PARTIAL with its trajectory and the episode's state.
 """
 from __future__ import annotations
 
@@ -17,10 +21,13 @@ import asyncio
 import dataclasses
 from collections import Counter, deque
 
-from april_ray.config import EngineConfig, SamplingConfig, StalenessConfig, TaskConfig
+from april_ray.config import EngineConfig, RolloutConfig, SamplingConfig, StalenessConfig, TaskConfig
 from april_ray.engine.probe import saturated_throughput
+from april_ray.plugins import load_object
+from april_ray.rollout.episode import Episode, EpisodeContext, Interrupted, ToolJournal
+from april_ray.task.evaluate import EvalItem
 from april_ray.task.rewards import RewardRunner
-from april_ray.types import GenerateRequest, Sample, SampleMeta, SampleState, SamplingParams
+from april_ray.types import FinishReason, GenerateRequest, Sample, SampleMeta, SampleState, SamplingParams
 
 
 def sample_meta(sample: Sample, num_new_tokens: int) -> SampleMeta:
@@ -31,21 +38,28 @@ def sample_meta(sample: Sample, num_new_tokens: int) -> SampleMeta:
 
 
 def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig, task: TaskConfig,
-                 model_path: str, version: int = 0) -> "EngineWorker":
+                 model_path: str, version: int = 0, *, episodes: RolloutConfig | None = None,
+                 journal=None) -> "EngineWorker":
     """An EngineWorker on the configured engine backend, with the task's reward (under its timeout) and the
-    configured sampling."""
+    configured sampling; with `episodes.episode_fn`, running that episode function, its tool results
+    recorded in `journal` (in process when None)."""
     from transformers import AutoTokenizer
 
     from april_ray.engine import build_engine
-    from april_ray.task.rewards import get_reward_fn
+    from april_ray.task.rewards import build_reward_fn
 
     tok = AutoTokenizer.from_pretrained(model_path)
     sampling = SamplingParams(sampling_cfg.temperature, sampling_cfg.top_p, sampling_cfg.top_k,
                               sampling_cfg.max_response_len, (tok.eos_token_id,))
     kv_max_versions = staleness.max_versions if engine_cfg.reuse_stale_kv else 0
-    return EngineWorker(build_engine(engine_cfg, model_path, version, max_versions=kv_max_versions),
-                        lambda ids: tok.decode(ids, skip_special_tokens=True), get_reward_fn(task.name), sampling,
-                        tok.encode, task.reward_timeout_s)
+    worker = EngineWorker(build_engine(engine_cfg, model_path, version, max_versions=kv_max_versions),
+                          lambda ids: tok.decode(ids, skip_special_tokens=True), build_reward_fn(task), sampling,
+                          tok.encode, task.reward_timeout_s)
+    if episodes is not None and episodes.episode_fn:
+        worker.use_episodes(load_object(episodes.episode_fn, "rollout.episode_fn"), journal or ToolJournal(),
+                            engine_cfg.max_model_len, episodes.tool_timeout_s,
+                            encode=lambda text: tok.encode(text, add_special_tokens=False))
+    return worker
 
 
 async def gather_or_cancel(*aws):
@@ -69,6 +83,34 @@ class EngineWorker:
         """Off the event loop with a timeout; a call that fails scores 0 and is counted (`stats`)."""
         self.sampling = sampling
         self.closed_steps: deque = deque(maxlen=64)
+        self.episode_fn = None
+        """`rollout.episode_fn`, loaded: each sample is an episode of turns (`use_episodes`)."""
+
+    def use_episodes(self, episode_fn, journal, max_model_len: int, tool_timeout_s: float, encode=None) -> None:
+        """Run `episode_fn` per sample; `encode` turns environment text into ids (no special tokens)."""
+        self.episode_fn = episode_fn
+        self.episodes = EpisodeContext(self.engine, encode or self.encode, self.decode, self.sampling, max_model_len,
+                                       journal, self.closed_steps, tool_timeout_s)
+
+    async def run_episode(self, sample: Sample, step, tag: str, ctx: EpisodeContext | None = None
+                          ) -> tuple[SampleMeta, Sample]:
+        """The sample's episode, from where it stands to its end (rewarded) or to the step's abort (PARTIAL).
+        An episode that raises is finished with reward 0, counted with the reward errors, as a reward that
+        raises is."""
+        ep = Episode(ctx or self.episodes, sample.resend(), step, tag)
+        try:
+            reward = await self.episode_fn(ep)
+        except Interrupted:
+            partial = dataclasses.replace(ep.sample, state=SampleState.PARTIAL, finish_reason=FinishReason.ABORT)
+            return sample_meta(partial, ep.num_new_tokens), partial
+        except Exception as e:
+            reward = self.reward.failed(sample.prompt, f"episode raised {e!r}")
+            ep.state = ep.sample.episode["state"]  # as last recorded: what it holds now may be what failed
+        done = ep.finished(reward)
+        if done.reward is None:
+            reward = await self.reward(done.prompt, self.decode(done.response_ids), done.answer, done.metadata)
+            done = dataclasses.replace(done, reward=reward)
+        return sample_meta(done, ep.num_new_tokens), done
 
     async def generate_group(self, samples: list[Sample], step) -> tuple[list[SampleMeta], list[Sample]]:
         """Generate some samples of one group at once: (their metas, the samples extended and rewarded).
@@ -76,17 +118,18 @@ class EngineWorker:
         are never changed, so a failed call leaves them as they were."""
         if step in self.closed_steps or not samples:
             return [sample_meta(s, 0) for s in samples], list(samples)
-        done = await gather_or_cancel(*(self.generate_sample(s, f"@{step}") for s in samples))
+        run = self.run_episode if self.episode_fn is not None else self.generate_sample
+        done = await gather_or_cancel(*(run(s, step, f"@{step}") for s in samples))
         return [m for m, _ in done], [s for _, s in done]
 
-    async def generate_sample(self, sample: Sample, tag: str) -> tuple[SampleMeta, Sample]:
+    async def generate_sample(self, sample: Sample, step, tag: str) -> tuple[SampleMeta, Sample]:
         """One engine call with the sample's remaining budget, then its reward if it finished."""
         sample = sample.resend()
         sampling = dataclasses.replace(self.sampling, max_new_tokens=sample.remaining_budget)
         out = await self.engine.generate(GenerateRequest(sample.sample_id + tag, sample.input_ids, sampling))
         sample = sample.extended(out)
         if sample.state == SampleState.FINISHED:
-            reward = await self.reward(sample.prompt, self.decode(sample.response_ids), sample.answer)
+            reward = await self.reward(sample.prompt, self.decode(sample.response_ids), sample.answer, sample.metadata)
             sample = dataclasses.replace(sample, reward=reward)
         return sample_meta(sample, out.num_tokens), sample
 
@@ -98,13 +141,28 @@ class EngineWorker:
                                                         warmup_s)
         return tokens, dt, cpu
 
-    async def evaluate(self, items: list[tuple[str, list[int], str]], temperature: float, tag: str) -> list[float]:
-        """Reward of one response per (prompt, prompt_ids, answer) at `temperature` (0: greedy)."""
-        sp = dataclasses.replace(self.sampling, temperature=temperature)
+    async def evaluate(self, items: list[EvalItem], temperature: float, tag: str,
+                       top_p: float | None = None) -> list[tuple[float, int]]:
+        """(reward, response length) of one response per item at `temperature` (0: greedy) and `top_p`
+        (None: sampling.top_p)."""
+        sp = dataclasses.replace(self.sampling, temperature=temperature,
+                                 top_p=self.sampling.top_p if top_p is None else top_p)
+        if self.episode_fn is not None:
+            return list(await asyncio.gather(*[self.evaluate_episode(item, sp, f"{tag}-{i}")
+                                               for i, item in enumerate(items)]))
         outs = await asyncio.gather(*[self.engine.generate(GenerateRequest(f"{tag}-{i}", ids, sp))
-                                      for i, (_, ids, _) in enumerate(items)])
-        return list(await asyncio.gather(*[self.reward(prompt, self.decode(o.token_ids), answer)
-                                           for (prompt, _, answer), o in zip(items, outs)]))
+                                      for i, (_, ids, _, _) in enumerate(items)])
+        rewards = await asyncio.gather(*[self.reward(prompt, self.decode(o.token_ids), answer, metadata)
+                                         for (prompt, _, answer, metadata), o in zip(items, outs)])
+        return [(r, o.num_tokens) for r, o in zip(rewards, outs)]
+
+    async def evaluate_episode(self, item: EvalItem, sampling: SamplingParams, rid: str) -> tuple[float, int]:
+        """One evaluation episode: its own journal (nothing of it is kept), never aborted."""
+        prompt, ids, answer, metadata = item
+        ctx = dataclasses.replace(self.episodes, sampling=sampling, journal=ToolJournal(), closed_steps=())
+        sample = Sample(rid, rid, prompt, answer, ids, sampling.max_new_tokens, metadata=metadata)
+        _, done = await self.run_episode(sample, None, "", ctx)
+        return done.reward, done.num_model_tokens
 
     def abort_all(self, step) -> int:
         if step not in self.closed_steps:

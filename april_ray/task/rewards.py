@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import inspect
 import json
 import math
@@ -21,6 +20,7 @@ import urllib.request
 from typing import Awaitable, Callable
 
 from april_ray.config import TaskConfig
+from april_ray.plugins import load_object
 from april_ray.task.countdown import countdown_reward
 
 RewardFn = Callable[[str, str, str, dict], "float | Awaitable[float]"]
@@ -65,25 +65,6 @@ def after_think(fn: RewardFn) -> RewardFn:
         head, sep, tail = response.rpartition(THINK_END)
         return fn(prompt, tail, answer, metadata) if sep else 0.0
     return scored
-
-
-def load_object(path: str, key: str):
-    """The object at `module:name` (the module imported from sys.path); a ValueError names `key`."""
-    module_name, _, name = path.partition(":")
-    if not module_name or not name:
-        raise ValueError(f"{key}: expected module:function, got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{key}: cannot import {module_name!r} ({e}); is its directory on PYTHONPATH?") from e
-    obj = module
-    for part in name.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{key}: module {module_name!r} ({module.__file__}) has no {name!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"{key}: {path!r} is a {type(obj).__name__}, not a function")
-    return obj
 
 
 def build_reward_fn(task: TaskConfig) -> RewardFn:

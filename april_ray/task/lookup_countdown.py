@@ -1,0 +1,106 @@
+"""The embedded agent task: countdown from numbers the model must look up with a tool.
+
+A prompt `ab,qd-3:` names keys. For each key in turn the model calls the tool (` ab?`: `?` ends its
+turn), the environment answers with the key's value (`=0012`, environment tokens: context, not trained),
+and the model counts down from it in steps of 3 (` 0009 0006 0003 0000`); after the last key, EOS:
+
+    ab,qd-3: ab?=0012 0009 0006 0003 0000 qd?=0007 0004 0001<eos>
+
+A key's value is a hash of the key, so only the tool knows it. Values are long-tailed and a prompt has one
+to three keys, so episodes have long-tailed lengths and numbers of turns. The reward is 1 when the whole
+response is exactly right. Every tool call is appended, with its sample and turn, to the file named by
+`$APRIL_RAY_TOOL_LOG` when set, so a test can prove that no call ran twice.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import string
+
+import numpy as np
+
+from april_ray.config import TaskConfig
+from april_ray.task.countdown import WIDTH, countdown_response
+
+KEY_CHARS = string.ascii_lowercase
+MAX_VALUE = 60
+TOOL_LOG = "APRIL_RAY_TOOL_LOG"
+
+
+def value_of(key: str) -> int:
+    """The key's value: lognormal (median 12) through a hash, in [1, MAX_VALUE]."""
+    u = (int.from_bytes(hashlib.sha1(f"lookup:{key}".encode()).digest()[:8], "big") + 0.5) / 2 ** 64
+    z = math.sqrt(2) * _erfinv(2 * u - 1)
+    return int(min(MAX_VALUE, max(1, round(12 * math.exp(0.8 * z)))))
+
+
+def _erfinv(y: float) -> float:
+    """Inverse error function (Newton's method on math.erf; |y| < 1)."""
+    x = 0.0
+    for _ in range(60):
+        x -= (math.erf(x) - y) / (2 / math.sqrt(math.pi) * math.exp(-x * x))
+    return x
+
+
+def segments(prompt: str) -> list[tuple[str, bool]]:
+    """The right response as (text, is the model's): tool calls and countdowns by the model, values by the
+    environment (EOS not included)."""
+    keys, step = prompt.rstrip(":").rsplit("-", 1)
+    out = []
+    for key in keys.split(","):
+        value = value_of(key)
+        out += [(f" {key}?", True), (f"={value:0{WIDTH}d}", False), (countdown_response(value, int(step)), True)]
+    return _merged(out)
+
+
+def _merged(parts: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    merged: list[tuple[str, bool]] = []
+    for text, model in parts:
+        if merged and merged[-1][1] == model:
+            merged[-1] = (merged[-1][0] + text, model)
+        elif text:
+            merged.append((text, model))
+    return merged
+
+
+def generate(cfg: TaskConfig, num: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(num):
+        n_keys = int(rng.choice([1, 2, 3], p=[0.5, 0.3, 0.2]))
+        keys = ["".join(rng.choice(list(KEY_CHARS), 2)) for _ in range(n_keys)]
+        prompt = f"{','.join(keys)}-{int(rng.integers(1, cfg.max_step + 1))}:"
+        rows.append({"prompt": prompt, "answer": "".join(text for text, _ in segments(prompt))})
+    return rows
+
+
+def lookup(sample_id: str, turn: int, key: str) -> int:
+    """The tool: the key's value (-1 for a key that is not two letters). Logs the call when asked to."""
+    log = os.environ.get(TOOL_LOG)
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps({"sample": sample_id, "turn": turn, "key": key}) + "\n")
+    return value_of(key) if len(key) == 2 and all(c in KEY_CHARS for c in key) else -1
+
+
+async def episode(ep) -> None:
+    """Model turns until one ends without a tool call (EOS, or the budget); each call is answered. The
+    task's reward (exact match) scores the whole response."""
+    while True:
+        text = await ep.generate(stop=("?",))
+        if not text.endswith("?"):
+            return None
+        key = text[:-1].rsplit(" ", 1)[-1]
+        value = await ep.call_tool("lookup", lookup, ep.sample.sample_id, ep.turn, key)
+        ep.append_env(f"={value:0{WIDTH}d}" if value >= 0 else "=????")
+
+
+def reward(prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
+    """1.0 iff `response` is the whole right transcript (recomputed from the prompt)."""
+    try:
+        right = "".join(text for text, _ in segments(prompt))
+    except ValueError:
+        return 0.0
+    return float(response == right)

@@ -1,0 +1,240 @@
+"""Multi-turn episodes without Ray: the embedded agent task's episode function on an engine that writes the
+right transcript token by token, interrupted by aborts at every point, saved as JSON, resumed, crashed."""
+import asyncio
+import json
+
+import pytest
+
+from april_ray.rollout.engine_worker import EngineWorker
+from april_ray.rollout.episode import ToolJournal
+from april_ray.rollout.store import sample_from_json, sample_to_json
+from april_ray.task import lookup_countdown
+from april_ray.task.tokenizer import build_tokenizer
+from april_ray.types import FinishReason, GenerateOutput, Sample, SampleState, SamplingParams
+
+TOK = build_tokenizer()
+
+
+class TranscriptEngine:
+    """Writes the right transcript of a lookup-countdown prompt, one token per tick, up to a stop id; honours
+    the budget and aborts (an aborted request returns its tokens so far), as the CPU engine does."""
+
+    def __init__(self, tick: float = 0.0005):
+        self.tick, self.version, self.running, self.requests = tick, 0, {}, []
+
+    async def generate(self, req):
+        self.requests.append(req)
+        text = TOK.decode(req.input_ids)
+        prompt = text[: text.index(":") + 1]
+        right = TOK.encode(prompt + right_response(prompt)) + [TOK.eos_token_id]
+        todo = right[len(req.input_ids):]
+        fut = asyncio.get_running_loop().create_future()
+        self.running[req.request_id] = fut
+        out: list[int] = []
+        try:
+            for t in todo:
+                if len(out) == req.sampling.max_new_tokens:
+                    return self._output(req, out, FinishReason.LENGTH)
+                done, _ = await asyncio.wait([fut], timeout=self.tick)
+                if done:
+                    return self._output(req, out, FinishReason.ABORT)
+                out.append(t)
+                if t in req.sampling.stop_token_ids:
+                    return self._output(req, out, FinishReason.STOP)
+            return self._output(req, out, FinishReason.STOP)
+        finally:
+            self.running.pop(req.request_id, None)
+
+    def _output(self, req, out, reason):
+        return GenerateOutput(req.request_id, out, [-0.1] * len(out), [self.version] * len(out), reason)
+
+    def abort_all(self):
+        for fut in self.running.values():
+            if not fut.done():
+                fut.set_result(None)
+        return len(self.running)
+
+
+def make_worker(journal=None, engine=None):
+    engine = engine or TranscriptEngine()
+    sp = SamplingParams(temperature=1.0, max_new_tokens=512, stop_token_ids=(TOK.eos_token_id,))
+    worker = EngineWorker(engine, lambda ids: TOK.decode(ids, skip_special_tokens=True), lookup_countdown.reward, sp,
+                          TOK.encode)
+    worker.use_episodes(lookup_countdown.episode, journal or ToolJournal(), max_model_len=1024, tool_timeout_s=5.0)
+    return engine, worker
+
+
+def fresh(prompt="ab,qd,zz-2:", sid="e0p0s0", budget=512):
+    return Sample(sid, "e0p0", prompt, "", TOK.encode(prompt), budget)
+
+
+def tool_calls(log):
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.fixture
+def tool_log(tmp_path, monkeypatch):
+    path = tmp_path / "tools.jsonl"
+    monkeypatch.setenv(lookup_countdown.TOOL_LOG, str(path))
+    return path
+
+
+def right_response(prompt):
+    return "".join(t for t, _ in lookup_countdown.segments(prompt))
+
+
+def test_an_episode_runs_its_turns_and_masks_the_environment(tool_log):
+    engine, worker = make_worker()
+    [meta], [s] = asyncio.run(worker.generate_group([fresh()], ("run", 0)))
+    assert s.state == SampleState.FINISHED and s.reward == 1.0
+    assert TOK.decode(s.response_ids, skip_special_tokens=True) == right_response("ab,qd,zz-2:")
+    env = [t for t, m in zip(s.response_ids, s.loss_mask) if not m]
+    assert TOK.decode(env) == "".join(f"={lookup_countdown.value_of(k):04d}" for k in ("ab", "qd", "zz"))
+    assert all(v == -1 and lp == 0.0 for v, lp, m in zip(s.versions, s.logprobs, s.loss_mask) if not m)
+    assert meta.num_env_tokens == len(env) == 15 and meta.response_len == len(s.response_ids) - 15
+    assert s.episode["turn"] == 4 and len(engine.requests) == 4  # three tool calls and the last turn
+    assert [(c["turn"], c["key"]) for c in tool_calls(tool_log)] == [(1, "ab"), (2, "qd"), (3, "zz")]
+
+
+def test_the_budget_counts_model_tokens_only(tool_log):
+    prompt = "ab,qd,zz-2:"
+    n_model = sum(len(TOK.encode(t)) for t, m in lookup_countdown.segments(prompt) if m)
+    _, worker = make_worker()
+    [_], [s] = asyncio.run(worker.generate_group([fresh(prompt, budget=n_model + 1)], ("run", 0)))
+    assert s.reward == 1.0 and s.num_model_tokens == n_model + 1  # + EOS: the tool's 15 tokens are free
+    _, worker = make_worker()
+    [_], [short] = asyncio.run(worker.generate_group([fresh(prompt, budget=n_model - 3)], ("run", 0)))
+    assert short.state == SampleState.FINISHED and short.reward == 0.0 and short.num_model_tokens == n_model - 3
+
+
+@pytest.mark.parametrize("abort_after_s", [0.002, 0.01, 0.03, 0.06])
+def test_an_aborted_episode_is_saved_as_json_and_goes_on_at_its_turn(tool_log, abort_after_s):
+    """Aborted inside a turn at several points, saved through the store's JSON, resumed at the next step by
+    a fresh worker (another process) sharing the journal: the response is exactly right, every tool call ran
+    once, and the resumed episode never redid a finished turn."""
+    journal = ToolJournal()
+    engine, worker = make_worker(journal)
+
+    async def abort_mid_episode():
+        call = asyncio.ensure_future(worker.generate_group([fresh()], ("run", 1)))
+        await asyncio.sleep(abort_after_s)
+        worker.abort_all(("run", 1))
+        engine.abort_all()
+        return await call
+
+    [meta], [part] = asyncio.run(abort_mid_episode())
+    assert part.state == SampleState.PARTIAL and meta.state == SampleState.PARTIAL
+    stored = sample_from_json(json.loads(json.dumps(sample_to_json(part))), "store")
+    assert stored == part
+    turn = part.episode["turn"]
+    engine2, worker2 = make_worker(journal)
+    [_], [done] = asyncio.run(worker2.generate_group([stored], ("run", 2)))
+    assert done.reward == 1.0 and done.num_resumes == (1 if part.response_ids else 0)
+    assert done.response_ids[: len(part.response_ids)] == part.response_ids  # nothing of it redone
+    assert engine2.requests[0].request_id == f"e0p0s0#{turn}@('run', 2)"  # the same turn goes on
+    calls = [(c["turn"], c["key"]) for c in tool_calls(tool_log)]
+    assert calls == [(1, "ab"), (2, "qd"), (3, "zz")]
+
+
+def test_a_tool_call_in_flight_when_the_step_ends_finishes_first_and_is_kept(tool_log):
+    """The abort lands while the episode waits on a slow tool: the tool finishes, its answer goes into the
+    trajectory, and the episode stops at its next turn's start (the step is closed); resumed, it goes on
+    without calling the tool again."""
+    calls = []
+
+    async def slow_lookup(sample_id, turn, key):
+        calls.append(key)
+        await asyncio.sleep(0.05)
+        return lookup_countdown.value_of(key)
+
+    async def episode(ep):
+        while True:
+            text = await ep.generate(stop=("?",))
+            if not text.endswith("?"):
+                return None
+            value = await ep.call_tool("lookup", slow_lookup, ep.sample.sample_id, ep.turn, text[:-1].split()[-1])
+            ep.append_env(f"={value:04d}")
+
+    engine, worker = make_worker()
+    worker.episode_fn = episode
+
+    async def abort_during_tool():
+        call = asyncio.ensure_future(worker.generate_group([fresh("ab-1:")], ("run", 1)))
+        while not calls:
+            await asyncio.sleep(0.001)
+        worker.abort_all(("run", 1))
+        engine.abort_all()
+        return await call
+
+    [_], [part] = asyncio.run(abort_during_tool())
+    assert part.state == SampleState.PARTIAL
+    assert TOK.decode(part.response_ids) == f" ab?={lookup_countdown.value_of('ab'):04d}"  # the answer is kept
+    assert len(engine.requests) == 1  # the closed step sent no new turn to the engine
+    [_], [done] = asyncio.run(worker.generate_group([part], ("run", 2)))
+    assert done.reward == 1.0 and calls == ["ab"]
+
+
+def test_an_engine_crash_resends_the_episode_as_sent_and_no_returned_tool_call_runs_again(tool_log):
+    """The monitor re-dispatches a crashed call's samples from the state they were sent in: the episode
+    replays the lost turns, and the journal answers the tool calls that had returned."""
+    journal = ToolJournal()
+    engine, worker = make_worker(journal)
+    sent = fresh()
+
+    async def crash_after_first_tool():
+        call = asyncio.ensure_future(worker.generate_group([sent], ("run", 1)))
+        while not tool_calls(tool_log):
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.005)
+        call.cancel()  # the engine is gone with everything of this call
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    asyncio.run(crash_after_first_tool())
+    _, other = make_worker(journal)
+    [_], [done] = asyncio.run(other.generate_group([sent], ("run", 1)))
+    assert done.reward == 1.0
+    assert [(c["turn"], c["key"]) for c in tool_calls(tool_log)] == [(1, "ab"), (2, "qd"), (3, "zz")]
+
+
+def test_the_journal_file_survives_a_restart(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    first = ToolJournal(path)
+    asyncio.run(first.put("s/1/0/lookup", {"value": 12}))
+    asyncio.run(first.put("s/1/0/lookup", {"value": 99}))  # a key is recorded once
+    with open(path, "a") as f:
+        f.write('["s/2/0/lookup", {"val')  # cut by a crash mid-write: that call never returned
+    again = ToolJournal(path)
+    assert asyncio.run(again.get("s/1/0/lookup")) == {"value": 12} and asyncio.run(again.get("s/2/0/lookup")) is None
+
+
+def test_an_episode_that_raises_scores_zero_and_is_counted():
+    async def broken(ep):
+        await ep.generate(stop=("?",))
+        raise KeyError("bug")
+
+    _, worker = make_worker()
+    worker.episode_fn = broken
+    [_], [s] = asyncio.run(worker.generate_group([fresh("ab-1:")], ("run", 0)))
+    assert s.state == SampleState.FINISHED and s.reward == 0.0 and worker.reward.errors == 1
+
+
+def test_episode_state_must_be_json():
+    async def bad_state(ep):
+        ep.state["x"] = object()
+        await ep.generate(stop=("?",))
+
+    _, worker = make_worker()
+    worker.episode_fn = bad_state
+    [_], [s] = asyncio.run(worker.generate_group([fresh("ab-1:")], ("run", 0)))
+    assert s.reward == 0.0 and worker.reward.errors == 1
+
+
+def test_evaluation_runs_episodes():
+    _, worker = make_worker()
+    prompts = ["ab-1:", "qd,zz-3:"]
+    items = [(p, TOK.encode(p), right_response(p), {}) for p in prompts]
+    results = asyncio.run(worker.evaluate(items, 1.0, "eval"))
+    assert [r for r, _ in results] == [1.0, 1.0]
+    assert [n for _, n in results] == [sum(len(TOK.encode(t)) for t, m in lookup_countdown.segments(p) if m) + 1
+                                       for p in prompts]  # model tokens and EOS
