@@ -1,0 +1,70 @@
+"""Plug-in contracts end to end: the training job with a reward function and a dataset defined outside the
+repository, by path (`PYTHONPATH=DIR python -m jobs.train ... task.reward_fn=mymod:score`)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from april_ray.config import TaskConfig
+from april_ray.task import countdown
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MYMOD = '''
+import json, os
+
+def score(prompt, response, answer, metadata):
+    """1.0 for an even-length response, 0.25 for an odd one (never the countdown's 0 of a random model);
+    every call appended to calls.jsonl."""
+    value = 1.0 if len(response) % 2 == 0 else 0.25
+    with open(os.path.join(os.path.dirname(__file__), "calls.jsonl"), "a") as f:
+        f.write(json.dumps({"prompt": prompt, "response": response, "metadata": metadata, "reward": value}) + "\\n")
+    return value
+'''
+
+
+def test_reward_fn_and_dataset_from_outside_the_repository(tmp_path, random_model_dir, user_env):
+    plug = tmp_path / "plug"
+    plug.mkdir()
+    (plug / "mymod.py").write_text(MYMOD)
+    rows = countdown.generate(TaskConfig(), 316, seed=11)
+    for name, part in (("train", rows[:300]), ("eval", rows[300:])):
+        (plug / f"{name}.jsonl").write_text("".join(json.dumps(r | {"split": name, "row": i}) + "\n"
+                                                    for i, r in enumerate(part)))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu.yaml", f"model.path={random_model_dir}",
+           f"model.cache_dir={tmp_path}", f"train.output_dir={out}", f"task.train_path={plug / 'train.jsonl'}",
+           f"task.eval_path={plug / 'eval.jsonl'}", "task.reward_fn=mymod:score", "train.num_steps=3",
+           "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4",
+           "sampling.max_response_len=24", "engine.max_model_len=64", "train.eval_every=10", "train.save_every=10",
+           "train.eval_greedy=false", "learner.backend=torch", "--summary", f"{tmp_path}/summary.json"]
+    env = {**user_env, "PYTHONPATH": str(plug), "WANDB_MODE": "offline"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    calls = [json.loads(line) for line in (plug / "calls.jsonl").read_text().splitlines()]
+    train_calls = [c for c in calls if c["metadata"]["split"] == "train"]
+    eval_calls = [c for c in calls if c["metadata"]["split"] == "eval"]
+    assert all(set(c["metadata"]) == {"split", "row"} for c in calls)  # the row's other fields, nothing else
+    assert len(eval_calls) == 2 * 16  # held-out before and after, one response per prompt, at temperature 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["accuracy_before"] == sum(c["reward"] for c in eval_calls[:16]) / 16
+
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "train/version" in m]
+    groups = [json.loads(line) for line in (out / "groups.jsonl").read_text().splitlines()]
+    trained = [sum(len(ids) for ids in g["samples"].values()) for g in groups if "samples" in g]
+    assert len(steps) == 3 and trained == [16, 16, 16]
+    assert len(train_calls) >= sum(trained)  # every finished sample was scored by the function
+    for m, n in zip(steps, trained):
+        # the learner trained on the function's values: n rewards, each 1.0 or 0.25, averaging to this mean
+        assert m["train/reward_mean"] == pytest.approx(m["rollout/reward_mean"])
+        num_even = (n * m["train/reward_mean"] - 0.25 * n) / 0.75
+        assert abs(num_even - round(num_even)) < 1e-6 and 0 <= round(num_even) <= n, m["train/reward_mean"]
+    assert sum(m["train/reward_mean"] * n for m, n in zip(steps, trained)) > 0  # the countdown would score 0
+    assert {c["reward"] for c in train_calls} <= {1.0, 0.25}
