@@ -238,3 +238,46 @@ def test_evaluation_runs_episodes():
     assert [r for r, _ in results] == [1.0, 1.0]
     assert [n for _, n in results] == [sum(len(TOK.encode(t)) for t, m in lookup_countdown.segments(p) if m) + 1
                                        for p in prompts]  # model tokens and EOS
+
+
+def test_april_steps_of_episodes_resume_them_at_their_turn_and_lose_nothing(tool_log):
+    """The real monitor, source and store over two workers running the agent task's episodes: over several
+    APRIL steps, episodes are interrupted mid-trajectory and continued at later steps (counted), the batch
+    carries environment tokens (counted), every returned episode is exactly right, no sample is returned
+    twice, and each (sample, turn) called the tool at most once."""
+    from april_ray.config import Config, RolloutConfig, SamplingConfig, StalenessConfig
+    from april_ray.rollout.local import LocalPool, LocalProxy, resolve
+    from april_ray.rollout.monitor import CompletionMonitor
+    from april_ray.rollout.prompt_source import PromptSource
+    from april_ray.rollout.store import PartialRolloutStore
+    from april_ray.task.data import Example
+
+    c = Config(rollout=RolloutConfig(rollout_batch_size=4, over_sampling_batch_size=8, n_samples_per_prompt=2),
+               sampling=SamplingConfig(max_response_len=512), staleness=StalenessConfig(max_versions=100))
+    journal = ToolJournal()
+    engines, workers = zip(*[make_worker(journal, TranscriptEngine(tick=0.0003)) for _ in range(2)])
+    rows = lookup_countdown.generate(c.task, 200, seed=3)
+    source = PromptSource([Example(i, r["prompt"], r["answer"]) for i, r in enumerate(rows)], TOK.encode, 2, 512,
+                          seed=0)
+    store = PartialRolloutStore(max_versions=100)
+    monitor = CompletionMonitor(c.rollout, LocalPool(list(workers), [16, 16]), LocalProxy(source), LocalProxy(store))
+
+    async def run():
+        out = []
+        for step in range(8):
+            for e in engines:
+                e.version = step
+            out.append(await monitor.step(step, step))
+        return out
+
+    results = asyncio.run(run())
+    seen = set()
+    for r in results:
+        for s in (resolve(h) for g in r.groups for h in g):
+            assert s.sample_id not in seen and s.reward == 1.0
+            seen.add(s.sample_id)
+    assert source.num_groups_taken == monitor.num_returned_groups + monitor.num_dropped_groups + len(store)
+    assert sum(r.metrics["rollout/episodes_resumed"] for r in results) > 0
+    assert all(r.metrics["rollout/env_tokens"] > 0 for r in results)
+    calls = [(c["sample"], c["turn"]) for c in tool_calls(tool_log)]
+    assert len(calls) == len(set(calls)) > 0

@@ -163,6 +163,8 @@ class CompletionMonitor:
             groups = [] if s.store_empty else await self.store.take_partial(need, s.version)
             s.store_empty = len(groups) < need
             s.num_resumed += len(groups)
+            s.num_episodes_resumed += sum(x.state == SampleState.PARTIAL and x.episode is not None
+                                          for g in groups for x in g.samples)
             fresh = await self.source.take(need - len(groups), s.step) if need > len(groups) else []
             s.num_fresh += len(fresh)
             for g in groups + fresh:
@@ -311,6 +313,8 @@ class CompletionMonitor:
             "rollout/staleness_mean": sum(a * c for a, c in staleness.items()) / max(1, trained),
             "rollout/groups_fresh": s.num_fresh,
             "rollout/groups_resumed": s.num_resumed,
+            "rollout/episodes_resumed": s.num_episodes_resumed,
+            "rollout/env_tokens": sum(m.num_env_tokens for ms in metas for m in ms),
             "rollout/groups_filtered": len(s.dropped),
             "rollout/engine_crashes": s.engine_crashes,
             "rollout/crash_tokens_lost": round(s.crash_tokens_lost),

@@ -144,6 +144,8 @@ class StepState:
     generated_tokens: int = 0
     num_fresh: int = 0
     num_resumed: int = 0
+    num_episodes_resumed: int = 0
+    """Samples taken from the store with an episode interrupted mid-trajectory (they go on at their turn)."""
     store_empty: bool = False
     """Only this monitor writes to the store, and only at a step's end: once it came back short, it stays so."""
     start_s: float = 0.0
