@@ -121,6 +121,8 @@ def set_aside(out_dir: Path, log=print) -> Path | None:
     if not mine:
         return None
     name = _run_file(out_dir) or "unnamed"
+    if not re.fullmatch(r"[\w-]{1,64}", name):  # a run id is hex: anything else is not made a path
+        name = "unnamed"
     dest = out_dir / EARLIER_RUNS / name
     n = 1
     while dest.exists():

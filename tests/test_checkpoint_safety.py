@@ -248,3 +248,12 @@ def test_two_fresh_jobs_keep_both_runs_and_a_tampered_checkpoint_is_refused_on_r
     assert resumed.returncode != 0, resumed.stdout[-2000:]
     assert not marker.exists(), "a pickle in the checkpoint ran"
     assert "ckpt-000001/optimizer/state/" in resumed.stderr and "refused" in resumed.stderr, resumed.stderr[-3000:]
+
+
+def test_a_run_id_that_is_a_path_does_not_move_files_out_of_the_output_directory(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run").write_text("../../elsewhere")
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    open_run(out, TrainConfig(resume=False), log=lambda _: None)
+    assert (out / "runs" / "unnamed" / "metrics.jsonl").is_file() and not (tmp_path.parent / "elsewhere").exists()
