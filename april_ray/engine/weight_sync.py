@@ -249,13 +249,14 @@ class BroadcastSender:
             for _ in range(attempts):
                 answers = await asyncio.gather(*[_answers(c) for c in clients])
                 live = [c for c, ok in zip(clients, answers) if ok]
-                if [c.url for c in live] != self.urls or self.pg is None:
+                if not live:
                     await self.close()
-                    if not live:
-                        return []
-                    self.clients = live
-                    await self.connect()
+                    return []
                 try:
+                    if [c.url for c in live] != self.urls or self.pg is None:
+                        await self.close()
+                        self.clients = live
+                        await self.connect()
                     await self._send(named, version, flush_cache)
                     return self.urls
                 except RuntimeError as e:  # ServerError, ServerDied, gloo's error on a peer that died
