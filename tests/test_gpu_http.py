@@ -65,9 +65,9 @@ def hf_greedy(model, ids, n):
     return out[0, len(ids):].tolist()
 
 
-def run(coro_fn, url):
+def run(coro_fn, srv):
     async def main():
-        client = SGLangEngine(url, max_model_len=MAX_LEN)
+        client = SGLangEngine(srv.url, max_model_len=MAX_LEN, server=srv)  # with the server's keys
         try:
             return await coro_fn(client)
         finally:
@@ -83,7 +83,7 @@ async def greedy_outputs(c, prompts, n):
 def test_our_engine_on_cuda_matches_hf_greedy(cuda_server, model):
     model, tok = model
     prompts = [tok.encode(p) for p in PROMPTS]
-    outs = run(lambda c: greedy_outputs(c, prompts, 32), cuda_server.url)
+    outs = run(lambda c: greedy_outputs(c, prompts, 32), cuda_server)
     for ids, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(model, ids, 32) and out.finish_reason == FinishReason.LENGTH
 
@@ -106,7 +106,7 @@ def test_cuda_ipc_tensor_handoff_into_the_server(cuda_server, model):
         c.update_weights(None, 5)
         return await greedy_outputs(c, prompts, 24)
 
-    outs = run(main, cuda_server.url)
+    outs = run(main, cuda_server)
     assert [o.token_ids for o in outs] == [hf_greedy(new, ids, 24) for ids in prompts]
     assert all(o.versions == [5] * 24 for o in outs)
 
@@ -123,7 +123,7 @@ def test_memory_release_and_resume_on_cuda(cuda_server, model):
         await c.resume_memory_occupation(["kv_cache"])
         return released, await greedy_outputs(c, prompts, 16)
 
-    released, outs = run(main, cuda_server.url)
+    released, outs = run(main, cuda_server)
     assert released == ["kv_cache", "weights"]
     assert [o.token_ids for o in outs] == [hf_greedy(model, ids, 16) for ids in prompts]
 
@@ -137,7 +137,7 @@ def test_real_sglang_server_greedy_matches_hf(model_dir, model, tmp_path_factory
     srv = SGLangLauncher().start(opts)
     try:
         prompts = [tok.encode(p) for p in PROMPTS[:4]]
-        outs = run(lambda c: greedy_outputs(c, prompts, 16), srv.url)
+        outs = run(lambda c: greedy_outputs(c, prompts, 16), srv)
         assert [o.token_ids for o in outs] == [hf_greedy(model, ids, 16) for ids in prompts]
     finally:
         srv.stop()
