@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 from jobs.common import usable_cores, write_result
-from april_ray.config import ConfigError, add_config_args, load_config, to_yaml
+from april_ray.config import add_config_args, to_yaml
 from sim import study
 from sim.config import SimulateConfig, number_list, study_inputs
 
