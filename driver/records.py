@@ -5,12 +5,14 @@ steps it kept): the group ids returned for training with their sample ids, the g
 dropped with the reason, those the over-provisioned baseline discarded, the trained tokens by age, and the
 engine crashes the monitor saw. A last row, `"end": true`, holds the prompt source's cursor and the ids of
 the groups left in the store. Together they account for every group taken from the source: returned,
-dropped, discarded or stored (`jobs/chaos.py` checks it).
+dropped, discarded or stored (`check_records`, which the chaos job runs).
 """
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections import Counter
 from pathlib import Path
 
 from april_ray.config import StalenessConfig
@@ -86,3 +88,53 @@ def group_id(group) -> str:
 def read_rows(out_dir: Path) -> list[dict]:
     path = Path(out_dir) / "groups.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+# -- reading the records back: the chaos checks ------------------------------------------------------
+def taken_group_ids(source_state: dict) -> list[str]:
+    """The ids of every group a fresh prompt source handed out, from its final cursor (prompt_source.py)."""
+    n, epoch, position = source_state["num_examples"], source_state["epoch"], source_state["position"]
+    return [f"e{e}p{p}" for e in range(epoch + 1) for p in range(n if e < epoch else position)]
+
+
+def check_records(out_dir: Path, n_samples: int) -> dict:
+    """Lost and duplicated samples, the oldest trained token and the crashes, from `groups.jsonl`."""
+    rows = read_rows(out_dir)
+    steps = [r for r in rows if "end" not in r]
+    end = next((r for r in reversed(rows) if r.get("end")), None)
+    returned = Counter(g for r in steps for g in r["returned"])
+    samples = Counter(s for r in steps for ids in r["samples"].values() for s in ids)
+    dropped = Counter(g for r in steps for g in r["dropped"])
+    discarded = Counter(g for r in steps for g in r.get("discarded", []))  # rows before the baseline had none
+    stored = Counter(end["store"]["partial"] + end["store"]["complete"]) if end else Counter()
+    placed = returned + dropped + discarded + stored
+    taken = taken_group_ids(end["source"]) if end else sorted(placed)
+    lost = sum(n_samples for g in taken if g not in placed)
+    lost += sum(n_samples - len(set(ids)) for r in steps for ids in r["samples"].values())
+    duplicated = sum(c - 1 for c in samples.values() if c > 1)
+    # a group dropped, discarded or stored more than once, or also trained: its samples are counted again
+    duplicated += sum(max(0, c - (0 if g in returned else 1)) * n_samples
+                      for g, c in (dropped + discarded + stored).items())
+    return {
+        "steps_completed": len({r["step"] for r in steps}),
+        "groups_taken": len(taken), "groups_returned": sum(returned.values()),
+        "groups_dropped": sum(dropped.values()), "groups_discarded": sum(discarded.values()),
+        "groups_stored": sum(stored.values()),
+        "dropped_reasons": dict(Counter(reason for r in steps for reason in r["dropped"].values())),
+        "unknown_groups": len(set(placed) - set(taken)),
+        "lost_samples": lost, "duplicated_samples": duplicated,
+        "max_trained_staleness": max((trained_staleness_max({int(a): c for a, c in r["staleness"].items()},
+                                                            max_versions=r["max_versions"], policy=r["policy"])
+                                      for r in steps), default=0),
+        "engine_crashes_seen": sum(r["engine_crashes"] for r in steps),
+        "crash_tokens_lost": sum(r["crash_tokens_lost"] for r in steps),
+        "complete_record": end is not None,
+    }
+
+
+def check_tool_calls(path: Path) -> dict:
+    """Tool calls of training episodes run more than once for one (sample, turn), from an environment's log of
+    its calls (one JSON object per line with `sample` and `turn`); evaluation episodes are not training's."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    calls = Counter((r["sample"], r["turn"]) for r in rows if re.fullmatch(r"e\d+p\d+s\d+", r["sample"]))
+    return {"tool_calls": sum(calls.values()), "tool_calls_run_twice": sum(c - 1 for c in calls.values() if c > 1)}

@@ -9,7 +9,8 @@ fall at seeded random moments: K steps drawn at random, and within each a random
 step time so far, so they land mid-decode, mid-abort, mid-weight-update or mid-evaluation. The check reads
 only the job's own records (`groups.jsonl`, driver/records.py): every group taken from the prompt source
 must be returned for training exactly once, dropped by the filter, or left in the store, with each of its
-samples once; no trained token may be older than the staleness bound.
+samples once; no trained token may be older than the staleness bound; and no tool call of an episode may
+have run twice for one (sample, turn) (the embedded agent task logs its calls to $APRIL_RAY_TOOL_LOG).
 
 `--driver-kills N` kills the driver instead and resumes it (jobs/chaos_driver.py).
 
@@ -24,13 +25,11 @@ import random
 import signal
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 from jobs.common import write_result
 from april_ray.config import ConfigError, add_config_args, config_from_args
-from april_ray.learn.algorithms import trained_staleness_max
-from driver.records import read_rows
+from driver.records import check_records, check_tool_calls, read_rows
 
 DEFAULTS = ["train.num_steps=30", "task.num_eval=128", "train.eval_every=10", "train.output_dir=outputs/chaos",
             "logging.wandb_mode=disabled"]
@@ -110,47 +109,6 @@ class EngineKiller(threading.Thread):
             time.sleep(0.2)
 
 
-def taken_group_ids(source_state: dict) -> list[str]:
-    """The ids of every group a fresh prompt source handed out, from its final cursor (prompt_source.py)."""
-    n, epoch, position = source_state["num_examples"], source_state["epoch"], source_state["position"]
-    return [f"e{e}p{p}" for e in range(epoch + 1) for p in range(n if e < epoch else position)]
-
-
-def check_records(out_dir: Path, n_samples: int) -> dict:
-    """Lost and duplicated samples, the oldest trained token and the crashes, from `groups.jsonl`."""
-    rows = read_rows(out_dir)
-    steps = [r for r in rows if "end" not in r]
-    end = next((r for r in reversed(rows) if r.get("end")), None)
-    returned = Counter(g for r in steps for g in r["returned"])
-    samples = Counter(s for r in steps for ids in r["samples"].values() for s in ids)
-    dropped = Counter(g for r in steps for g in r["dropped"])
-    discarded = Counter(g for r in steps for g in r.get("discarded", []))  # rows before the baseline had none
-    stored = Counter(end["store"]["partial"] + end["store"]["complete"]) if end else Counter()
-    placed = returned + dropped + discarded + stored
-    taken = taken_group_ids(end["source"]) if end else sorted(placed)
-    lost = sum(n_samples for g in taken if g not in placed)
-    lost += sum(n_samples - len(set(ids)) for r in steps for ids in r["samples"].values())
-    duplicated = sum(c - 1 for c in samples.values() if c > 1)
-    # a group dropped, discarded or stored more than once, or also trained: its samples are counted again
-    duplicated += sum(max(0, c - (0 if g in returned else 1)) * n_samples
-                      for g, c in (dropped + discarded + stored).items())
-    return {
-        "steps_completed": len({r["step"] for r in steps}),
-        "groups_taken": len(taken), "groups_returned": sum(returned.values()),
-        "groups_dropped": sum(dropped.values()), "groups_discarded": sum(discarded.values()),
-        "groups_stored": sum(stored.values()),
-        "dropped_reasons": dict(Counter(reason for r in steps for reason in r["dropped"].values())),
-        "unknown_groups": len(set(placed) - set(taken)),
-        "lost_samples": lost, "duplicated_samples": duplicated,
-        "max_trained_staleness": max((trained_staleness_max({int(a): c for a, c in r["staleness"].items()},
-                                                            max_versions=r["max_versions"], policy=r["policy"])
-                                      for r in steps), default=0),
-        "engine_crashes_seen": sum(r["engine_crashes"] for r in steps),
-        "crash_tokens_lost": sum(r["crash_tokens_lost"] for r in steps),
-        "complete_record": end is not None,
-    }
-
-
 def run_engine_kills(cfg, args) -> dict:
     import ray
 
@@ -159,6 +117,9 @@ def run_engine_kills(cfg, args) -> dict:
     out = Path(cfg.train.output_dir)
     killer = EngineKiller(args.kills, cfg.train.num_steps, out, args.seed)
     (out / "groups.jsonl").unlink(missing_ok=True)  # the killer counts this run's rows only
+    tool_log = out / "tool_calls.jsonl"  # the embedded agent task's environment logs its calls here
+    tool_log.unlink(missing_ok=True)
+    os.environ["APRIL_RAY_TOOL_LOG"] = str(tool_log.resolve())  # before Ray starts: its workers inherit it
     killer.start()
     error, t0 = None, time.time()
     try:
@@ -173,10 +134,10 @@ def run_engine_kills(cfg, args) -> dict:
               "staleness_policy": cfg.staleness.policy, "wall_s": time.time() - t0,
               "accuracy_before": summary.get("accuracy_before"), "accuracy_after": summary.get("accuracy_after"),
               "engine_restarts": last_metric(out, "engine/restarts"), "error": error}
-    result |= check_records(out, cfg.rollout.n_samples_per_prompt)
+    result |= check_records(out, cfg.rollout.n_samples_per_prompt) | check_tool_calls(tool_log)
     bounded = cfg.staleness.trains(result["max_trained_staleness"])
     result["ok"] = (error is None and result["steps_completed"] == result["steps"] and not result["lost_samples"]
-                    and not result["duplicated_samples"] and bounded)
+                    and not result["duplicated_samples"] and bounded and not result["tool_calls_run_twice"])
     return result
 
 

@@ -35,8 +35,7 @@ from pathlib import Path
 import psutil
 
 from driver.checkpoint import find_checkpoint, read_state
-from driver.records import read_rows
-from jobs.chaos import taken_group_ids
+from driver.records import check_tool_calls, read_rows, taken_group_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,6 +55,7 @@ def run_driver_kills(cfg, args) -> dict:
               f"first checkpoint, so every resume starts from step 0", flush=True)
     cmd = [sys.executable, "-m", "jobs.train", *(["--config", args.config] if getattr(args, "config", None) else []),
            *getattr(args, "overrides", []), f"train.output_dir={out}"]
+    os.environ["APRIL_RAY_TOOL_LOG"] = str((out / "tool_calls.jsonl").resolve())  # the agent task's call log
     t0, runs, watched = time.time(), [], []
     for i, at in enumerate([*at_steps, None]):
         run = Run(cmd + (["train.resume=true"] if i else []), out / f"run{i}.log")
@@ -68,9 +68,11 @@ def run_driver_kills(cfg, args) -> dict:
     stray = [f"{p.pid} {name(p)}" for p in watched if p.is_running()]
     result = {"driver_kills": kills, "driver_kill_steps": at_steps, "runs": runs, "stray_processes": len(stray),
               "stray_process_names": stray[:20], "wall_s": time.time() - t0} | check_exactly_once(out, cfg)
+    result |= check_tool_calls(out / "tool_calls.jsonl") | episodes_after_resumes(out, runs)
     result["ok"] = (result.get("ok", True) and not result["prompts_consumed_twice"] and not result["prompts_skipped"]
                     and not result["samples_trained_twice"] and result["steps_completed"] == n
-                    and not result["stray_processes"] and result["metrics_steps_ok"])
+                    and not result["stray_processes"] and result["metrics_steps_ok"]
+                    and not result["tool_calls_run_twice"])
     return result
 
 
@@ -152,6 +154,14 @@ def step_rows(metrics: Path) -> list[tuple[str, int]]:
             if "train/version" in row:
                 rows.append((line, row["step"]))
     return rows
+
+
+def episodes_after_resumes(out: Path, runs: list[dict]) -> dict:
+    """Episodes taken from the store mid-trajectory in the first step of each resumed run (they were
+    interrupted before the kill, saved in the checkpoint, and go on at their turn)."""
+    rows = {r["step"]: r for r in (json.loads(line) for line, _ in step_rows(out / "metrics.jsonl"))}
+    first = [int(r["resumed_from"].rsplit("-", 1)[1]) + 1 for r in runs if r.get("resumed_from")]
+    return {"episodes_resumed_after_restart": [rows.get(s, {}).get("rollout/episodes_resumed", 0) for s in first]}
 
 
 def check_exactly_once(out: Path, cfg) -> dict:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.chaos import check_records, taken_group_ids
+from driver.records import check_records, taken_group_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -131,7 +131,7 @@ def test_an_aborted_episode_is_saved_as_json_and_goes_on_at_its_turn(tool_log, a
     [_], [done] = asyncio.run(worker2.generate_group([stored], ("run", 2)))
     assert done.reward == 1.0 and done.num_resumes == (1 if part.response_ids else 0)
     assert done.response_ids[: len(part.response_ids)] == part.response_ids  # nothing of it redone
-    assert engine2.requests[0].request_id == f"e0p0s0#{turn}@('run', 2)"  # the same turn goes on
+    assert engine2.requests[0].request_id == f"e0p0s0#{turn}.1@('run', 2)"  # the same turn goes on
     calls = [(c["turn"], c["key"]) for c in tool_calls(tool_log)]
     assert calls == [(1, "ab"), (2, "qd"), (3, "zz")]
 
@@ -281,3 +281,45 @@ def test_april_steps_of_episodes_resume_them_at_their_turn_and_lose_nothing(tool
     assert all(r.metrics["rollout/env_tokens"] > 0 for r in results)
     calls = [(c["sample"], c["turn"]) for c in tool_calls(tool_log)]
     assert len(calls) == len(set(calls)) > 0
+
+
+class ScriptEngine(TranscriptEngine):
+    """Writes `response` (the model's and the environment's parts, as the episode should end up) from wherever
+    the response stands, one token per call step, stopping at any stop id as the CPU engine does."""
+
+    def __init__(self, prompt: str, response: str):
+        super().__init__(tick=0.0)
+        self.prompt_len, self.right = len(TOK.encode(prompt)), TOK.encode(response) + [TOK.eos_token_id]
+
+    async def generate(self, req):
+        self.requests.append(req)
+        at = len(req.input_ids) - self.prompt_len
+        assert req.input_ids[self.prompt_len:] == self.right[:at], "the episode's context went off the script"
+        out = []
+        for t in self.right[at:]:
+            out.append(t)
+            if t in req.sampling.stop_token_ids:
+                return self._output(req, out, FinishReason.STOP)
+            if len(out) == req.sampling.max_new_tokens:
+                return self._output(req, out, FinishReason.LENGTH)
+        return self._output(req, out, FinishReason.STOP)
+
+
+def test_the_calculator_environment_answers_calls_and_never_runs_code():
+    from april_ray.task import calculator
+
+    assert calculator.calculate("2*(3+4)") == "14" and calculator.calculate("7/2") == "3.5"
+    assert calculator.calculate("__import__('os').system('touch x')").startswith("error")
+    assert calculator.calculate("9**9**9").startswith("error") and calculator.calculate("1/0").startswith("error")
+    turns = [" I need <calc>12*(3+4)</calc>", " so <calc>84-4</calc>", " the answer is \\boxed{80}"]
+    right = turns[0] + "<result>84</result>" + turns[1] + "<result>80</result>" + turns[2]
+    engine = ScriptEngine("q:", right)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=256, stop_token_ids=(TOK.eos_token_id,))
+    worker = EngineWorker(engine, lambda ids: TOK.decode(ids, skip_special_tokens=True),
+                          lambda p, r, a, m=None: float(r.endswith("\\boxed{80}")), sp, TOK.encode)
+    worker.use_episodes(calculator.episode, ToolJournal(), max_model_len=1024, tool_timeout_s=5.0)
+    [_], [s] = asyncio.run(worker.generate_group([Sample("c0s0", "c0", "q", "80", TOK.encode("q:"), 256)], "step"))
+    assert TOK.decode(s.response_ids, skip_special_tokens=True) == right
+    assert len(engine.requests) > 3  # "</calc>" is several tokens: the engine also stopped at "<calc>"'s ">"
+    assert s.reward == 1.0 and s.episode["state"] == {"calls": 2} and s.episode["turn"] == 3
+    assert TOK.decode([t for t, m in zip(s.response_ids, s.loss_mask) if not m]) == "<result>84</result><result>80</result>"

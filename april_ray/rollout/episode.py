@@ -93,6 +93,8 @@ class Episode:
         """Model tokens generated in this call."""
         self.finish_reason: FinishReason | None = None
         """How the last model turn ended: STOP (a stop id) or LENGTH (the budget or the context ran out)."""
+        self._num_calls = 0
+        """Engine calls of this invocation (request ids are unique per call)."""
         self._calls: dict[int, int] = {}
         """Tool calls made at each turn by this invocation: with the turn, a call's key in the journal."""
 
@@ -114,26 +116,39 @@ class Episode:
         return self._ctx.decode(self.sample.response_ids)
 
     async def generate(self, stop: tuple[str, ...] = ()) -> str:
-        """One model turn: generate until EOS, a `stop` string (one token each), the budget or the context;
-        returns the turn's text. After an interruption, the first call continues the interrupted turn."""
-        record = self.sample.episode
-        if not record["in_turn"]:
+        """One model turn: generate until EOS, a `stop` string, the budget or the context; returns the turn's
+        text. After an interruption, the first call continues the interrupted turn. A stop string of several
+        tokens stops the engine at its last token, and the turn goes on unless the text ends with it."""
+        if not self.sample.episode["in_turn"]:
             self._record(turn_start=len(self.sample.response_ids), in_turn=True)
-        budget = min(self.sample.remaining_budget, self._ctx.max_model_len - len(self.sample.input_ids))
-        if budget <= 0:
-            return self._end_turn(FinishReason.LENGTH)
-        if self._step in self._ctx.closed_steps:  # aborted while the episode was outside the engine
-            raise Interrupted
+        stop_ids = tuple({self._ctx.encode(s)[-1] for s in stop if s})
+        while True:
+            budget = min(self.sample.remaining_budget, self._ctx.max_model_len - len(self.sample.input_ids))
+            if budget <= 0:
+                return self._end_turn(FinishReason.LENGTH)
+            if self._step in self._ctx.closed_steps:  # aborted while the episode was outside the engine
+                raise Interrupted
+            out = await self._engine_call(budget, stop_ids)
+            if out.finish_reason == FinishReason.ABORT:
+                self._record()
+                raise Interrupted
+            text = self._turn_text()
+            eos = out.token_ids[-1:] and out.token_ids[-1] in self._ctx.sampling.stop_token_ids
+            if out.finish_reason != FinishReason.STOP or eos or any(text.endswith(s) for s in stop) or not stop:
+                return self._end_turn(out.finish_reason)
+
+    async def _engine_call(self, budget: int, stop_ids: tuple[int, ...]):
         sampling = dataclasses.replace(self._ctx.sampling, max_new_tokens=budget,
-                                       stop_token_ids=self._ctx.sampling.stop_token_ids + self._stop_ids(stop))
-        rid = f"{self.sample.sample_id}#{self.turn}{self._tag}"
+                                       stop_token_ids=self._ctx.sampling.stop_token_ids + stop_ids)
+        self._num_calls += 1
+        rid = f"{self.sample.sample_id}#{self.turn}.{self._num_calls}{self._tag}"
         out = await self._ctx.engine.generate(GenerateRequest(rid, self.sample.input_ids, sampling))
         self.num_new_tokens += out.num_tokens
         self.sample = self.sample.extended(out)
-        if out.finish_reason == FinishReason.ABORT:
-            self._record()
-            raise Interrupted
-        return self._end_turn(out.finish_reason)
+        return out
+
+    def _turn_text(self) -> str:
+        return self._ctx.decode(self.sample.response_ids[self.sample.episode["turn_start"]:])
 
     def append_env(self, text_or_ids: str | list[int]) -> None:
         """Environment tokens (a tool's answer, a user turn): in the context, masked out of the loss."""
@@ -164,7 +179,7 @@ class Episode:
     def _end_turn(self, reason: FinishReason) -> str:
         record = self.sample.episode
         self.finish_reason = reason
-        text = self._ctx.decode(self.sample.response_ids[record["turn_start"]:])
+        text = self._turn_text()
         self._record(turn=record["turn"] + 1, in_turn=False)
         return text
 
@@ -175,12 +190,3 @@ class Episode:
         except (TypeError, ValueError) as e:
             raise TypeError(f"episode state of {self.sample.sample_id}: not JSON values ({e})") from None
         self.sample = dataclasses.replace(self.sample, episode=self.sample.episode | changes | {"state": state})
-
-    def _stop_ids(self, stop: tuple[str, ...]) -> tuple[int, ...]:
-        ids = []
-        for s in stop:
-            encoded = self._ctx.encode(s)
-            if len(encoded) != 1:
-                raise ValueError(f"episode stop string {s!r} is {len(encoded)} tokens; each must be one token")
-            ids.append(encoded[0])
-        return tuple(ids)
