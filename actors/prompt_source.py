@@ -12,16 +12,18 @@ class PromptSourceActor:
     def __init__(self, data_path: str, prompt_key: str, answer_key: str, model_path: str, n_samples: int,
                  max_response_len: int, seed: int, max_prompt_tokens: int, overlong_prompts: str,
                  task: TaskConfig | None = None):
-        """`task`: its chat-template keys (absent: the defaults, the template when the tokenizer has one)."""
+        """`task`: its chat-template and metadata keys (absent: the defaults: the template when the tokenizer
+        has one, every other field of a row as metadata)."""
         from transformers import AutoTokenizer
 
         from april_ray.task.chat import PromptEncoder
         from april_ray.task.data import fit_context, read_examples
 
         tok = AutoTokenizer.from_pretrained(model_path)
-        encode = PromptEncoder(tok, task or TaskConfig(), f"the tokenizer of {model_path}")
-        examples = fit_context(read_examples(data_path, prompt_key, answer_key), encode, max_prompt_tokens,
-                               overlong_prompts, "task.overlong_prompts", unk_id=tok.unk_token_id)
+        task = task or TaskConfig()
+        encode = PromptEncoder(tok, task, f"the tokenizer of {model_path}")
+        examples = fit_context(read_examples(data_path, prompt_key, answer_key, task.metadata_keys), encode,
+                               max_prompt_tokens, overlong_prompts, "task.overlong_prompts", unk_id=tok.unk_token_id)
         self.source = PromptSource(examples, encode, n_samples, max_response_len, seed)
 
     def take(self, num_groups: int, step: int):

@@ -138,6 +138,10 @@ class TaskConfig:
     **chat_template_kwargs)`; a string prompt is one user message, a list of messages keeps its system turns."""
     chat_template_kwargs: dict = field(default_factory=dict)
     """Passed to the chat template, e.g. {enable_thinking: false} for Qwen3."""
+    metadata_keys: list[str] | None = None
+    """The row's fields (besides prompt and answer) that become the samples' metadata; null: all of them. A
+    sample carries its metadata through Ray, the store and checkpoints, so leave out long ones (DeepMath's
+    r1_solution_*)."""
 
 
 @dataclass

@@ -24,6 +24,7 @@ class Evaluator:
         self.encode = PromptEncoder(tok, cfg.task, f"the tokenizer of {model_path}")
         self.max_prompt_tokens = cfg.engine.max_model_len - cfg.sampling.max_response_len
         self.overlong = cfg.task.overlong_prompts
+        self.metadata_keys = cfg.task.metadata_keys
         self.items = self._items(eval_path, cfg.task.prompt_key, cfg.task.answer_key, "task.eval_path")
         self.sets = {name: self._items(d.path, d.prompt_key, d.answer_key, f"eval.datasets.{name}.path")
                      for name, d in cfg.eval.datasets.items()}
@@ -34,7 +35,7 @@ class Evaluator:
 
     def _items(self, path: str, prompt_key: str, answer_key: str, key: str) -> list[EvalItem]:
         try:
-            examples = read_examples(path, prompt_key, answer_key)
+            examples = read_examples(path, prompt_key, answer_key, self.metadata_keys)
         except FileNotFoundError as e:
             raise ValueError(f"{key}: {e}") from None
         examples = fit_context(examples, self.encode, self.max_prompt_tokens, self.overlong, "task.overlong_prompts")

@@ -422,3 +422,4 @@ def test_a_rows_other_fields_become_the_samples_metadata(tmp_path):
                     + json.dumps({"question": "r", "final_answer": 5}) + "\n")
     a, b = read_examples(path, "question", "final_answer")
     assert (a.metadata, b.metadata, a.as_given) == ({"difficulty": 2}, {}, "q")
+    assert read_examples(path, "question", "final_answer", metadata_keys=[])[0].metadata == {}  # task.metadata_keys

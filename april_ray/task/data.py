@@ -64,7 +64,8 @@ def _answer(value, where: str, key: str) -> str:
     return value
 
 
-def _check_row(row, where: str, prompt_key: str, answer_key: str, index: int) -> Example:
+def _check_row(row, where: str, prompt_key: str, answer_key: str, index: int,
+               metadata_keys: list[str] | None = None) -> Example:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected an object with fields {prompt_key!r} and {answer_key!r}, "
                          f"got {type(row).__name__}")
@@ -73,7 +74,8 @@ def _check_row(row, where: str, prompt_key: str, answer_key: str, index: int) ->
             raise ValueError(f"{where}: missing field {key!r} (fields: {sorted(row)[:10]})")
     prompt = row[prompt_key]
     messages = _messages(prompt, where, prompt_key) if isinstance(prompt, list) else ()
-    metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+    metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)
+                and (metadata_keys is None or k in metadata_keys)}
     return Example(index, _text(prompt, where, prompt_key), _answer(row[answer_key], where, answer_key), where,
                    messages, _json_values(metadata, where))
 
@@ -116,8 +118,10 @@ def _jsonl_rows(path: Path):
             yield lineno, line
 
 
-def read_examples(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Example]:
-    """Every row of a JSONL or Parquet file; a bad row raises a ValueError naming the file and line (row)."""
+def read_examples(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
+                  metadata_keys: list[str] | None = None) -> list[Example]:
+    """Every row of a JSONL or Parquet file; a bad row raises a ValueError naming the file and line (row).
+    `metadata_keys`: the other fields kept as each example's metadata (None: all)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset not found: {path}")
@@ -125,7 +129,8 @@ def read_examples(path: str | Path, prompt_key: str = "prompt", answer_key: str 
         import pyarrow.parquet as pq
 
         rows = pq.read_table(path).to_pylist()
-        examples = [_check_row(r, f"{path}: row {i}", prompt_key, answer_key, i) for i, r in enumerate(rows)]
+        examples = [_check_row(r, f"{path}: row {i}", prompt_key, answer_key, i, metadata_keys)
+                    for i, r in enumerate(rows)]
     else:
         examples = []
         for lineno, line in _jsonl_rows(path):
@@ -134,7 +139,7 @@ def read_examples(path: str | Path, prompt_key: str = "prompt", answer_key: str 
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            examples.append(_check_row(row, where, prompt_key, answer_key, len(examples)))
+            examples.append(_check_row(row, where, prompt_key, answer_key, len(examples), metadata_keys))
     if not examples:
         raise ValueError(f"{path}: no examples")
     return examples
