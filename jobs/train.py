@@ -19,6 +19,7 @@ from pathlib import Path
 import ray
 
 from jobs.common import init_ray, parse, write_result
+from jobs.plan import check_memory
 from actors.metrics import DriverMetrics
 from april_ray.config import to_yaml
 from april_ray.tracking import Tracker, truncate_step_logs
@@ -33,6 +34,7 @@ from driver.setup import prepare
 
 def train(cfg) -> dict:
     """Run the job; returns the summary, with `history`: (training wall seconds, held-out accuracy)."""
+    check_memory(cfg)  # learner GPUs that cannot hold the memory plan stop the job before anything starts
     out = Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = open_run(out, cfg.train)  # fresh: an earlier run's files go to runs/; resume: this run's newest checkpoint
