@@ -20,7 +20,7 @@ def server(random_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("weights-root")
     opts = ServerOptions(str(random_model_dir), max_num_seqs=8, max_model_len=MAX_LEN, startup_timeout_s=120,
                          log_dir=str(tmp_path_factory.mktemp("logs")), weights_root=str(root),
-                         extra_args=["--lease-s", "1"])
+                         extra_args=["--lease-s", "1"], api_key="-api-key", admin_api_key="-admin-key")  # "-": not a flag
     srv = CPUServerLauncher().start(opts)
     srv.root = root
     yield srv

@@ -54,9 +54,9 @@ class ServerOptions:
     """The version the server reports (and stamps tokens with) until the first update."""
     log_dir: str = field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "april_ray_servers"))
     extra_args: list[str] = field(default_factory=list)
-    api_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    api_key: str = field(default_factory=lambda: secrets.token_hex(32))
     """`Authorization: Bearer` key of /generate and the info endpoints (a fresh one per server)."""
-    admin_api_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    admin_api_key: str = field(default_factory=lambda: secrets.token_hex(32))
     """Key of the admin endpoints: abort, pause, weight updates, memory, cache."""
     weights_root: str = ""
     """Our server only: /update_weights_from_disk also loads from under this directory (always from the
@@ -165,7 +165,7 @@ class Launcher:
         self.check_installed()
         port = free_port(opts.host)
         cmd = self.command(opts, port) + list(opts.extra_args)
-        keys = ["--api-key", opts.api_key, "--admin-api-key", opts.admin_api_key]
+        keys = [f"--api-key={opts.api_key}", f"--admin-api-key={opts.admin_api_key}"]  # "=": a key may start with "-"
         log_dir = Path(opts.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{self.name}-{tag}-{port}.log"
@@ -206,7 +206,7 @@ class CPUServerLauncher(Launcher):
                 "--max-prefill-tokens", str(opts.max_prefill_tokens), "--num-threads", str(opts.num_threads),
                 "--seed", str(opts.seed), "--park-slots", str(opts.park_slots),
                 "--max-versions", str(opts.max_versions), "--weight-version", opts.weight_version,
-                "--weights-root", opts.weights_root]
+                f"--weights-root={opts.weights_root}"]
 
 
 LAUNCHERS: dict[str, type[Launcher]] = {"sglang": SGLangLauncher, "cpu": CPUServerLauncher}
