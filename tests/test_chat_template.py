@@ -63,6 +63,9 @@ def test_apply_chat_template_modes(embedded):
     assert not PromptEncoder(plain, TaskConfig()).use_template  # auto: no template, text as is
     with pytest.raises(ValueError, match="task.apply_chat_template=true: the tokenizer has no chat template"):
         PromptEncoder(plain, TaskConfig(apply_chat_template="true"))
+    with pytest.raises(ValueError, match=r"task.chat_template_kwargs: set \(\['enable_thinking'\]\), but no chat "
+                                         r"template is applied \(task.apply_chat_template=false; the tokenizer has one\)"):
+        PromptEncoder(embedded, TaskConfig(apply_chat_template="false", chat_template_kwargs={"enable_thinking": False}))
 
 
 @pytest.fixture(scope="module")

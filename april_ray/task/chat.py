@@ -20,6 +20,10 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.use_template = has_template and mode != "false"
         self.kwargs = dict(task.chat_template_kwargs)
+        if self.kwargs and not self.use_template:  # they would be ignored without a word
+            raise ValueError(f"task.chat_template_kwargs: set ({sorted(self.kwargs)}), but no chat template is "
+                             f"applied (task.apply_chat_template={task.apply_chat_template}; "
+                             f"{where} {'has one' if has_template else 'has none'})")
 
     def __call__(self, prompt: str | list[dict]) -> list[int]:
         """Ids of a row's prompt as given (`Example.as_given`): a string is one user message."""
