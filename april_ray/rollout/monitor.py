@@ -24,7 +24,6 @@ dead, a step waits up to `rollout.engine_wait_s` for one to come back before it 
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from dataclasses import replace
 from typing import Any, Awaitable, Protocol
@@ -57,13 +56,12 @@ def filter_reason(metas: list[SampleMeta]) -> str | None:
 
 
 class CompletionMonitor:
-    def __init__(self, cfg: RolloutConfig, pool: EnginePool, source, store, clock=time.perf_counter):
+    def __init__(self, cfg: RolloutConfig, pool: EnginePool, source, store):
         """`source` and `store` are async proxies: each method call returns an awaitable."""
         self.cfg = cfg
         self.pool = pool
         self.source = source
         self.store = store
-        self.clock = clock
         self.alive = [True] * len(pool.capacities)
         self.run_id = uuid.uuid4().hex[:8]
         """Step tokens sent to engines are (run_id, step): unique even when another monitor reuses them."""
@@ -83,6 +81,11 @@ class CompletionMonitor:
         """Sample id -> its meta (as of no new tokens), for the same samples: a finished sample does not
         change in the store, so its meta is not derived again from its tokens at every step its group
         comes back (`sample_meta` counts the versions of every token)."""
+
+    @staticmethod
+    def clock() -> float:
+        """Seconds on the event loop's clock (monotonic)."""
+        return asyncio.get_running_loop().time()
 
     # -- one step ---------------------------------------------------------------------------------------
     async def step(self, step: int, version: int) -> StepResult:
@@ -305,7 +308,6 @@ class CompletionMonitor:
             "rollout/store_s": store_s,
             "rollout/generated_tokens": s.generated_tokens,
             "rollout/trained_tokens": trained,
-            # (on a virtual clock, a step served whole from the store's surplus can take 0 s)
             "rollout/effective_tok_s": trained / wall if wall > 0 else 0.0,
             "rollout/generated_tok_s": s.generated_tokens / wall if wall > 0 else 0.0,
             "rollout/off_policy_token_ratio": off_policy / max(1, trained),
