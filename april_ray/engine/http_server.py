@@ -150,6 +150,7 @@ class Server(WeightRoutes):
         self.api_key, self.admin_api_key, self.max_body_bytes = api_key, admin_api_key, max_body_bytes
         self.pause_lease = Lease(lease_s, self.resume, "pause_generation")
         WeightRoutes.__init__(self, weights_root, lease_s)
+        self.lease_paths = {"/pause_generation", *self.weight_routes()}
 
     # -- generate -------------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
@@ -357,11 +358,18 @@ class Server(WeightRoutes):
 
     @web.middleware
     async def _keep_leases(self, request: web.Request, handler):
-        """Every admin call of the client that paused, or opened a session, keeps them open."""
-        if request.path not in API_KEY_PATHS:
-            self.pause_lease.touch()
-            self.session_lease.touch()
-        return await handler(request)
+        """A weight update's own calls (the pause, the session, the updates) keep an open pause and session
+        alive, before and after each; other admin calls (the engine's aborts) do not, so a pause whose
+        learner died ends even while its engine keeps aborting."""
+        if request.path not in self.lease_paths:
+            return await handler(request)
+        for lease in (self.pause_lease, self.session_lease):
+            lease.touch()
+        try:
+            return await handler(request)
+        finally:
+            for lease in (self.pause_lease, self.session_lease):
+                lease.touch()
 
 
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
