@@ -197,7 +197,7 @@ def servers_of(access: list) -> list[tuple[str, str] | None]:
 def adopt(engines, access: list, received: set[str], version: int, wait_s: float = 5.0) -> None:
     """The engines whose server loaded the weights of `version` serve it from now on (unless restarted since:
     the incarnation is checked). The others are caught up from the object store now if they answer, else
-    by `run_step` once they are back."""
+    by the rollout step once they are back."""
     engines.weights = (None, version)
     got = [e for e, a in enumerate(access) if a is not None and a[0] in received]
     done = settle([engines.actors[e].update_weights.remote(None, version, access[e][2]) for e in got])
