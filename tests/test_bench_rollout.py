@@ -1,11 +1,11 @@
 """The rollout benchmark end to end on a small config: every mode, the sweep, the JSON keys and plots."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.conftest import USER_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def test_bench_rollout_runs_every_mode_and_the_sweep(tmp_path, random_model_dir)
     # 100-token responses: groups finish far enough apart that APRIL's top-ups are left partial, parked,
     # and resumed from their parked caches within two steps (at 24 tokens nearly every sample ran to the
     # cap, and whether one was came down to timing)
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())

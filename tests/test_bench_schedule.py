@@ -1,6 +1,5 @@
 """The in-process schedule benchmark end to end on a small config: every mode, JSON keys, nothing lost."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +8,7 @@ import pytest
 
 from april_ray.config import ConfigError, load_config
 from jobs.bench.schedule import per_engine
+from tests.conftest import USER_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def test_bench_schedule_runs_sync_april_and_the_over_provisioned_baseline_in_pro
            f"model.cache_dir={tmp_path}", "task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=8",
            "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24",
            "engine.max_model_len=64", "engine.max_num_seqs=16", "engine.park_slots=16"]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())

@@ -1,6 +1,5 @@
 """The training benchmark's report: hand-made runs through `report`, and the JSON keys of a tiny real run."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from jobs.bench.train import accuracy_at, report, reused_runs, time_to
+from tests.conftest import USER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ def test_bench_train_json_keys_on_a_tiny_run(tmp_path, random_model_dir):
            "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24", "engine.max_model_len=64",
            "algorithm.overlong_buffer=8", "train.num_steps=2", "train.eval_every=1", "train.save_every=100",
            "train.eval_greedy=false", "logging.wandb_mode=disabled", "logging.dashboard=false"]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())

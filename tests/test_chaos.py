@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from driver.records import check_records, taken_group_ids
+from tests.conftest import USER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,7 +98,7 @@ def test_chaos_engine_kills_lose_and_repeat_nothing(tmp_path, random_model_dir, 
            "train.eval_every=4", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
            "rollout.n_samples_per_prompt=4", "sampling.max_response_len=64", "engine.max_model_len=128",
            "staleness.max_versions=1", "algorithm.overlong_buffer=8"]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())

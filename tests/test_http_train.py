@@ -2,7 +2,6 @@
 server and drive it with the SGLang client, and the learner broadcasts weights into the servers over gloo;
 and an SGLang server asked for on a cluster without GPUs fails at once."""
 import json
-import os
 import subprocess
 import sys
 import time
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from tests.conftest import USER_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def train(tmp_path, model_dir, *overrides, timeout=900):
     cmd = [sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu_http.yaml", f"model.path={model_dir}",
            f"model.cache_dir={tmp_path}", f"train.output_dir={tmp_path}/out", *SMALL, *overrides,
            "--summary", f"{tmp_path}/summary.json"]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
                           timeout=timeout)
     return proc
 

@@ -1,12 +1,12 @@
 """End to end on a local Ray: the training job's driver, a few steps of the tiny model, and a resume."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from tests.conftest import USER_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ def run_train(tmp_path, model_dir, *overrides):
            # a random policy never solves countdown; overlong shaping gives its rewards variance to learn from
            "algorithm.overlong_buffer=8", "learner.lr=1e-3", "train.eval_every=2", "train.save_every=2", "logging.wandb_mode=offline",
            "--summary", f"{tmp_path}/summary.json", *overrides]
-    env = {**os.environ, "RAY_ADDRESS": ""}
+    env = {**USER_ENV, "RAY_ADDRESS": ""}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(Path(f"{tmp_path}/summary.json").read_text()), proc
