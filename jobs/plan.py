@@ -40,14 +40,20 @@ def check_memory(cfg) -> None:
     """Stop before anything starts when the learner's GPUs cannot hold the plan (CPU learners: no check)."""
     if cfg.learner.gpus == 0:
         return
-    result = learner_plan(cfg)
+    try:
+        result = learner_plan(cfg)
+    except ValueError:  # a model whose shape is unknown here: loading it reports what is missing
+        return
     if not result.fits:
         raise SystemExit(result.report())
 
 
 def main() -> None:
     cfg, args = parse(__doc__, lambda p: p.add_argument("--json", help="write the plan as JSON here"))
-    result = learner_plan(cfg)
+    try:
+        result = learner_plan(cfg)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     print(result.report())
     write_result(args.json, result.to_json())
     raise SystemExit(0 if result.fits else 1)

@@ -278,3 +278,16 @@ def replace_config(config, **changes):
     for k, v in changes.items():
         setattr(copy, k, v)
     return copy
+
+
+def test_deepspeed_bfloat16_trains_bf16_weights_from_fp32_masters(random_model_dir):
+    learner = Learner(str(random_model_dir), LearnerConfig(backend="deepspeed", zero_stage=1, lr=1e-2, dtype="bfloat16"),
+                      AlgorithmConfig(), temperature=1.0, max_response_len=32, master_port=29733)
+    assert all(p.dtype == torch.bfloat16 for p in learner.module.parameters())
+    masters = learner.optimizer.single_partition_of_fp32_groups
+    assert masters and all(m.dtype == torch.float32 for m in masters)
+    before = [m.clone() for m in masters]
+    samples = batch_from_policy(random_model_dir)
+    assert learner.proximal_logprobs(samples)[0].dtype == torch.float32
+    metrics = learner.train_step(samples, version=0)
+    assert metrics["train/grad_norm"] > 0 and any(not torch.equal(b, m) for b, m in zip(before, masters))

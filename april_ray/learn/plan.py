@@ -111,10 +111,11 @@ def learner_parts(shape: Shape, s: LearnerSetting) -> dict[str, float]:
     p, n = shape.num_params, s.num_ranks
     zero = s.zero_stage if s.backend == "deepspeed" else 0
     shard = lambda stage: n if zero >= stage else 1  # noqa: E731  (a part partitioned from this ZeRO stage on)
-    parts = {"weights": p * s.dtype_bytes / shard(3)}
+    weight_bytes = s.dtype_bytes if s.backend == "deepspeed" else 4  # torch: autocast over fp32 weights
+    parts = {"weights": p * weight_bytes / shard(3)}
     if s.backend == "deepspeed" and (s.dtype_bytes == 2 or zero >= 1):
         parts["master_weights"] = 4 * p / shard(1)  # fp32 partition of the optimiser (a copy, also in fp32)
-    grads = p * s.dtype_bytes / shard(2)
+    grads = p * weight_bytes / shard(2)
     if s.backend == "deepspeed" and s.dtype_bytes == 2:
         grads += 4 * p / shard(1)  # fp32 gradient partition beside the bf16 ones
     parts["gradients"] = grads
@@ -122,7 +123,8 @@ def learner_parts(shape: Shape, s: LearnerSetting) -> dict[str, float]:
     if zero == 3:  # a layer gathered (and the next prefetched), the embedding gathered for the head
         parts["zero3_gathered"] = s.dtype_bytes * (2 * shape.layer_params + shape.embedding_params / (1 if shape.tied else 2))
     parts["activations"] = activation_bytes(shape, s.dtype_bytes, s.tokens)[s.checkpointing]
-    rows = min(s.chunk_tokens, s.tokens) if s.chunk_tokens > 0 else s.tokens
+    # the head's positions split evenly into as few chunks as the chunk size allows (logprobs.num_chunks)
+    rows = -(-s.tokens // -(-s.tokens // s.chunk_tokens)) if s.chunk_tokens > 0 else s.tokens
     copies = LOGIT_COPIES + (1 if s.temperature not in (0, 1) else 0)
     # bf16: the head's own output, and the logits' gradient cast back, beside the fp32 copies
     parts["logits"] = rows * shape.vocab_size * (4 * copies + (2 * s.dtype_bytes if s.dtype_bytes != 4 else 0))

@@ -113,6 +113,17 @@ def measure_here(model_dir: Path, option: str, tokens: int, vocab: int, threads:
     held = sum(t.numel() * t.element_size() for t in learner.module.parameters())
     held += sum(t.numel() * t.element_size() for state in learner.optimizer.state.values() for t in state.values()
                 if hasattr(t, "numel") and t.dim() > 0)
+    if learner.device.type == "cuda":  # the allocator's own peak: what the plan is about
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        learner.train_step(batch, version=0)
+        torch.cuda.synchronize()
+        seconds, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+        return {"peak_bytes": torch.cuda.max_memory_allocated(), "step_s": seconds, "cpu_s": cpu_s,
+                "tokens_per_s": tokens / seconds}
     before = _rss("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -157,7 +168,7 @@ def predicted_bytes(name: str, vocab: int, option: str, tokens: int) -> float:
     from april_ray.learn.plan import LearnerSetting, learner_parts
 
     ckpt, chunk, _, dtype = OPTIONS[option]
-    setting = LearnerSetting(4, "torch", 0, 1, tokens, chunk, ckpt)  # bf16 under autocast keeps fp32 weights
+    setting = LearnerSetting(2 if dtype == "bfloat16" else 4, "torch", 0, 1, tokens, chunk, ckpt)
     return sum(learner_parts(shape(name, vocab), setting).values())
 
 
