@@ -76,6 +76,10 @@ def test_reward_path_errors_name_the_key(user_module):
         build_reward_fn(TaskConfig(reward_fn=f"{user_module}:missing"))
     with pytest.raises(ValueError, match="not a function"):
         build_reward_fn(TaskConfig(reward_fn=f"{user_module}:not_a_function"))
+    from driver.setup import prepare
+
+    with pytest.raises(ValueError, match="task.reward_fn: cannot import 'nowhere_mod'"):  # the job stops at start
+        prepare(load_config(None, ["task.reward_fn=nowhere_mod:score", "model.path=/nonexistent"]))
     with pytest.raises(ConfigError, match="task.reward_fn: expected module:function"):
         load_config(None, ["task.reward_fn=just_a_module"])
     with pytest.raises(ConfigError, match="task.reward_url: set either"):
