@@ -4,7 +4,8 @@ Built in: `math` uses HF's math-verify to parse and compare answers (LaTeX, boxe
 the checker DAPO-style recipes use; `countdown` checks the embedded task exactly. A user's function comes
 by dotted path (`task.reward_fn=module:function`) and a served reward model by URL (`task.reward_url`).
 Every reward has one signature, `(prompt, response, answer, metadata) -> float` (an async function too;
-one without `metadata` is called without it), and runs under `RewardRunner`: a call that raises, hangs or returns no number scores 0 and is counted.
+one without `metadata` is called without it), and runs under `RewardRunner`: a call that raises, hangs or
+returns no number scores 0 and is counted.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def get_reward_fn(task_name: str) -> RewardFn:
 def after_think(fn: RewardFn) -> RewardFn:
     """`fn` on the text after the last `</think>`; no `</think>`: no answer was given, 0."""
     def scored(prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
-        head, sep, tail = response.rpartition(THINK_END)
+        _, sep, tail = response.rpartition(THINK_END)
         return fn(prompt, tail, answer, metadata) if sep else 0.0
     return scored
 
