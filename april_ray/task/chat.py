@@ -1,11 +1,14 @@
 """Prompt ids: a dataset row's prompt through the tokenizer's chat template, or its text encoded as is.
 
-Every path that turns a prompt into ids (the prompt source, the context check, evaluation, the embedded
-model's warm-up) goes through one `PromptEncoder`, so training, evaluation and the warm-up see the same ids.
+Every path that turns a dataset row's prompt into ids (the prompt source, the context check, evaluation)
+goes through one `PromptEncoder`, so training and evaluation see the same ids. The embedded model's
+warm-up encodes the countdown's prompts as text, which the embedded template renders unchanged
+(tests/test_chat_template.py checks both give the same ids).
 """
 from __future__ import annotations
 
 from april_ray.config import TaskConfig
+
 
 class PromptEncoder:
     """`task.apply_chat_template`: auto (the template when the tokenizer has one), true (it must have
