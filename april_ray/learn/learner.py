@@ -81,6 +81,12 @@ def packed_chunks(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return chunks
 
 
+def load_model(model_path: str, cfg: LearnerConfig, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=cfg.attn_implementation)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """`learner.dtype`, auto resolved: bfloat16 on a GPU, float32 elsewhere."""
     if name == "auto":
@@ -121,7 +127,7 @@ class Learner:
         `staleness`: tokens sampled more than `max_versions` versions ago are masked out of the loss (unless
         the policy is `keep`).
         `seed`: the run's seed (mini-batch order; torch's generator)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         torch.set_num_threads(learner_cfg.num_threads)
         torch.manual_seed(1234 + rank + 7919 * seed)
@@ -134,16 +140,11 @@ class Learner:
         self.dtype = resolve_dtype(learner_cfg.dtype, self.device)
         self.packed = learner_cfg.packing == "on" or (learner_cfg.packing == "auto" and self.device.type == "cuda"
                                                       and learner_cfg.attn_implementation == "flash_attention_2")
-        attn = learner_cfg.attn_implementation
         # fp32 weights: the optimiser's masters (DeepSpeed's bf16 section makes its own bf16 copy)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn)
+        model = load_model(model_path, learner_cfg, torch.float32).to(self.device).train()
         if learner_cfg.gradient_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        model.to(self.device).train()
-        self.ref = None
-        if algo_cfg.kl_coef > 0:
-            self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype,
-                                                            attn_implementation=attn).to(self.device).eval()
+        self.ref = load_model(model_path, learner_cfg, self.dtype).to(self.device).eval() if algo_cfg.kl_coef > 0 else None
         self.optim = build_optim(model, learner_cfg, rank, world_size, master_port, self.dtype)
 
     @property
