@@ -3,7 +3,7 @@
     python -m jobs.chaos --config configs/tiny_cpu.yaml --kills K --json PATH [--seed S] [key=value ...]
     python -m jobs.chaos --config configs/tiny_cpu.yaml --driver-kills N --json PATH [key=value ...]
 
-`--kills K` runs `jobs.train.train` while a thread kills K engine worker processes with SIGKILL, as a user
+`--kills K` runs `driver.train.train` while a thread kills K engine worker processes with SIGKILL, as a user
 would (`kill -9` of a `ray::EngineWorkerActor` process; only processes of this job's own Ray). The kills
 fall at seeded random moments: K steps drawn at random, and within each a random delay up to the mean
 step time so far, so they land mid-decode, mid-abort, mid-weight-update or mid-evaluation. The check reads
@@ -112,7 +112,7 @@ class EngineKiller(threading.Thread):
 def run_engine_kills(cfg, args) -> dict:
     import ray
 
-    from jobs.train import train
+    from driver.train import train
 
     out = Path(cfg.train.output_dir)
     killer = EngineKiller(args.kills, cfg.train.num_steps, out, args.seed)

@@ -238,7 +238,7 @@ def test_the_wandb_run_id_is_kept_for_a_resume(tmp_path):
 
 DRIVER = """
 import subprocess, sys, time
-from jobs.common import tie_to_driver
+from driver.cluster import tie_to_driver
 # a child that outlives its parent on its own (its own session, no parent-death signal), as Ray's agents did
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
 tie_to_driver()

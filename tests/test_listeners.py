@@ -87,7 +87,7 @@ import json, os, subprocess, sys
 import ray  # before jobs: Ray has read its environment, and will listen on every interface
 import psutil
 from types import SimpleNamespace
-from jobs.common import init_ray
+from driver.cluster import init_ray
 from tests.test_listeners import listeners, loopback
 
 init_ray(SimpleNamespace(bundles=[]))

@@ -28,7 +28,8 @@ import numpy as np
 import ray
 
 from jobs.bench.steplog import StepLog, public
-from jobs.common import init_ray, parse, write_result
+from driver.cluster import init_ray
+from jobs.common import parse, write_result
 from april_ray.config import Config, over_sampling_batch_size, with_rollout
 from april_ray.model import load_policy
 from april_ray.task.data import read_examples

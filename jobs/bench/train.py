@@ -28,8 +28,9 @@ from pathlib import Path
 
 from april_ray.config import over_sampling_batch_size, with_rollout
 from april_ray.placement import plan
-from jobs.common import init_ray, parse, write_result
-from jobs.train import train
+from driver.cluster import init_ray
+from driver.train import train
+from jobs.common import parse, write_result
 
 
 def time_to(history: list[tuple[float, float]], target: float) -> float | None:

@@ -1,0 +1,104 @@
+"""The training job's driver: the algorithm, step by step (`python -m jobs.train` runs it).
+
+Each step: an APRIL rollout (over-provision, interrupt, recycle) returns N complete groups as object
+refs; the learner ranks fetch their shares and take one optimiser step; the new weights are published
+once and every engine adopts them under the next policy version. Held-out accuracy is evaluated before
+training, every `train.eval_every` steps and at the end; checkpoints every `train.save_every` steps.
+An engine that dies is restarted and caught up while the step goes on (driver/rollout.py); a learner rank
+that dies stops the job with the checkpoint to resume from. `groups.jsonl` records where every group went.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import ray
+
+from actors.metrics import DriverMetrics
+from april_ray.config import to_yaml
+from april_ray.tracking import Tracker, truncate_step_logs
+from driver.checkpoint import open_run, restore_checkpoint, save_checkpoint
+from driver.cluster import init_ray
+from driver.engines import EngineGroup
+from driver.evaluator import Evaluator
+from driver.learners import LearnerGroup, stop_if_a_rank_dies
+from driver.records import GroupLog, PhaseClock, staleness_metrics
+from driver.rollout import RolloutGroup
+from driver.setup import prepare
+
+
+def train(cfg) -> dict:
+    """Run the job; returns the summary, with `history`: (training wall seconds, held-out accuracy)."""
+    out = Path(cfg.train.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = open_run(out, cfg.train)  # fresh: an earlier run's files go to runs/; resume: this run's newest checkpoint
+    (out / "config.yaml").write_text(to_yaml(cfg))
+    job = prepare(cfg)  # model, data and placement plan, once
+    if not ray.is_initialized():
+        init_ray(job.layout, cfg.logging)
+
+    engines = EngineGroup.start(cfg, job.model_path, job.layout)
+    rollout = RolloutGroup.start(cfg, job.model_path, job.train_path, engines)
+    learners = LearnerGroup(cfg, job.model_path, engines)
+    evaluator = Evaluator(cfg, engines, job.model_path, job.eval_path)
+
+    start, version = 0, 0
+    if ckpt is not None:
+        start, version = restore_checkpoint(ckpt, learners, rollout, engines)
+        print(f"resumed from {ckpt}: step {start}, policy version {version}")
+    if cfg.train.resume:  # the steps after the checkpoint are redone: their rows go, not repeat
+        truncate_step_logs(out, start - 1)
+    before = evaluator.run()
+    exported = DriverMetrics(cfg.rollout)  # Ray's metrics (actors/metrics.py)
+    exported.record_eval(before)
+    tracker = Tracker(cfg, out, cfg.train.num_steps, start, resume=ckpt is not None)
+    tracker.bar.write(f"held-out accuracy before: {json.dumps(before)}")
+    t0 = time.perf_counter()
+    train_s, history = 0.0, [(0.0, before["eval/accuracy_t1"])]  # training time excludes evaluation
+    clock = PhaseClock()  # seconds per phase of each step, and over the run
+
+    records = GroupLog(out, cfg.staleness, fresh=not cfg.train.resume)
+    step = start - 1
+    for step in range(start, cfg.train.num_steps):
+        clock.start()
+        batch = rollout.step(step, version)                              # APRIL rollout, refs only
+        metrics = batch.metrics | staleness_metrics(batch.staleness, cfg.staleness)
+        metrics |= engines.occupancy_metrics()
+        clock.mark("rollout")
+        with stop_if_a_rank_dies(out, step):
+            metrics |= learners.train(batch.groups, version)             # ranks fetch their own shares
+            clock.mark("learner")
+            version += 1
+            learners.publish(engines, version)                            # engines adopt the new weights
+            clock.mark("weight_sync")
+        records.step(step, version - 1, batch)
+        train_s += sum(clock.step.values())
+        if (step + 1) % cfg.train.eval_every == 0:
+            metrics |= evaluator.run()
+            clock.mark("eval")
+            exported.record_eval(metrics)
+            history.append((train_s, metrics["eval/accuracy_t1"]))
+        exported.record_step(step + 1, clock.step, metrics["rollout/reward_mean"])
+        metrics |= clock.metrics() | ray.get(rollout.store.stats.remote(version))
+        tracker.log(step, metrics | {"train/version": version, "time/wall_s": time.perf_counter() - t0})
+        if (step + 1) % cfg.train.save_every == 0:  # after the step's rows: a resume never lacks them
+            save_checkpoint(out, step, version, learners, rollout)
+
+    after = evaluator.run()
+    exported.record_eval(after)
+    records.end(step, ray.get(rollout.source.state_dict.remote()), ray.get(rollout.store.state_dict.remote()))
+    if step >= start and (step + 1) % cfg.train.save_every:
+        save_checkpoint(out, step, version, learners, rollout)
+    tracker.log(max(step, 0) + 1, after, advance=False)
+    tracker.close()
+    history.append((train_s, after["eval/accuracy_t1"]))
+    for actors in (rollout, engines, learners):
+        actors.shutdown()
+    summary = {"accuracy_before": before["eval/accuracy_t1"], "accuracy_after": after["eval/accuracy_t1"],
+               "accuracy_before_greedy": before.get("eval/accuracy_greedy"),
+               "accuracy_after_greedy": after.get("eval/accuracy_greedy"),
+               "steps": cfg.train.num_steps - start, "wall_s": time.perf_counter() - t0,
+               "final_version": version, "output_dir": str(out), "train_s": train_s, "history": history,
+               "time_s": {f"{phase}_s": round(t, 3) for phase, t in clock.totals.items()}}
+    return summary
