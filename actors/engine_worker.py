@@ -30,12 +30,14 @@ from april_ray.engine.base import EngineFailure
 class EngineWorkerActor:
     def __init__(self, engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig,
                  task: TaskConfig, model_path: str, version: int = 0, index: int = 0,
-                 episodes: RolloutConfig | None = None, journal=None):
-        """`journal`: the job's `ToolJournalActor`, when `episodes.episode_fn` runs episodes."""
+                 episodes: RolloutConfig | None = None, journal=None, weights_root: str = ""):
+        """`journal`: the job's `ToolJournalActor`, when `episodes.episode_fn` runs episodes. `weights_root`:
+        where its server may load weights from disk (engine.weight_sync=disk)."""
         # a sampling stream of its own: with one seed, every engine drew the same random numbers
         engine_cfg = dataclasses.replace(engine_cfg, seed=engine_cfg.seed + index)
         self.worker = build_worker(engine_cfg, sampling_cfg, staleness, task, model_path, version, episodes=episodes,
-                                   journal=RayJournal(journal) if journal is not None else None)
+                                   journal=RayJournal(journal) if journal is not None else None,
+                                   weights_root=weights_root)
         self.metrics = EngineMetrics(index, engine_cfg.max_num_seqs)
         self.metrics.set_version(version)
         self.index, self.version = index, version

@@ -71,7 +71,7 @@ class EngineGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
                 max_restarts=-1,  # a dead engine comes back in its bundle, under the same handle
             ).remote(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, str(model_path), version, index,
-                     episodes=cfg.rollout, journal=journal)
+                     episodes=cfg.rollout, journal=journal, weights_root=disk_weights_dir(cfg))
             for index, b in enumerate(layout.engine_bundles)
         ]
         status = ray.get([e.status.remote() for e in actors])  # loaded and serving
@@ -174,6 +174,11 @@ class EngineGroup:
         for actor in self.actors + ([self.journal] if self.journal is not None else []):
             ray.kill(actor)
         ray.util.remove_placement_group(self.placement_group)
+
+
+def disk_weights_dir(cfg: Config) -> str:
+    """Where engine.weight_sync=disk writes the weights every server loads (storage every node sees)."""
+    return str(Path(cfg.train.output_dir).resolve() / "weights")
 
 
 def start_journal(cfg: Config):

@@ -20,7 +20,7 @@ from actors.learner import LearnerActor
 from april_ray.config import Config
 from april_ray.placement import actor_resources
 from driver.checkpoint import named_by_latest
-from driver.engines import settle
+from driver.engines import disk_weights_dir, settle
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class DiskSync(ObjectStoreSync):
 
     def __init__(self, learners: list, engines, cfg, model_path: str):
         super().__init__(learners, engines, cfg, model_path)
-        self.path, self.model_path = str(Path(cfg.train.output_dir).resolve() / "weights"), model_path
+        self.path, self.model_path = disk_weights_dir(cfg), model_path
 
     def publish(self, version: int) -> None:
         access = server_access(self.engines)

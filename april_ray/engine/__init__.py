@@ -13,12 +13,14 @@ if TYPE_CHECKING:  # the HTTP server and the GPU tests import this package where
     from april_ray.config import EngineConfig
 
 
-def build_engine(cfg: EngineConfig, model_path: str, version: int = 0, max_versions: int = 0):
-    """`max_versions`: how many versions old a parked KV cache may be and still be reused."""
-    return BACKENDS[cfg.backend](cfg, model_path, version, max_versions=max_versions)
+def build_engine(cfg: EngineConfig, model_path: str, version: int = 0, max_versions: int = 0, weights_root: str = ""):
+    """`max_versions`: how many versions old a parked KV cache may be and still be reused. `weights_root`:
+    where an HTTP server may load weights from disk besides the model's directory (engine.weight_sync=disk)."""
+    return BACKENDS[cfg.backend](cfg, model_path, version, max_versions, weights_root)
 
 
-def _cpu_engine(cfg: EngineConfig, model_path: str, version: int, max_versions: int):
+def _cpu_engine(cfg: EngineConfig, model_path: str, version: int, max_versions: int, weights_root: str):
+    """(`weights_root` is for servers: this engine takes weights in memory only.)"""
     import torch
 
     from april_ray.engine.async_engine import AsyncEngine
@@ -31,7 +33,7 @@ def _cpu_engine(cfg: EngineConfig, model_path: str, version: int, max_versions: 
                                  cfg.seed, version, num_park_slots=cfg.park_slots, max_versions=max_versions))
 
 
-def _http_engine(cfg: EngineConfig, model_path: str, version: int, max_versions: int):
+def _http_engine(cfg: EngineConfig, model_path: str, version: int, max_versions: int, weights_root: str):
     """Start the configured server in this process's resources (Ray's CUDA_VISIBLE_DEVICES is inherited)
     and return its client. Call it from a thread that lives as long as the server should: the server
     is told to die with that thread (an actor's constructor runs on its main thread)."""
@@ -43,7 +45,7 @@ def _http_engine(cfg: EngineConfig, model_path: str, version: int, max_versions:
                          max_model_len=cfg.max_model_len, max_prefill_tokens=cfg.max_prefill_tokens,
                          num_threads=cfg.num_threads, seed=cfg.seed, park_slots=cfg.park_slots,
                          max_versions=max_versions, startup_timeout_s=cfg.startup_timeout_s,
-                         weight_version=str(version))
+                         weight_version=str(version), weights_root=weights_root)
     server = LAUNCHERS[cfg.server]().start(opts)
     return SGLangEngine(server.url, version, cfg.max_model_len, server, flush_on_update=max_versions == 0,
                         bucket_mb=cfg.weight_bucket_mb)

@@ -39,7 +39,7 @@ def sample_meta(sample: Sample, num_new_tokens: int) -> SampleMeta:
 
 def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig, task: TaskConfig,
                  model_path: str, version: int = 0, *, episodes: RolloutConfig | None = None,
-                 journal=None) -> "EngineWorker":
+                 journal=None, weights_root: str = "") -> "EngineWorker":
     """An EngineWorker on the configured engine backend, with the task's reward (under its timeout) and the
     configured sampling; with `episodes.episode_fn`, running that episode function, its tool results
     recorded in `journal` (in process when None)."""
@@ -52,7 +52,8 @@ def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, stalene
     sampling = SamplingParams(sampling_cfg.temperature, sampling_cfg.top_p, sampling_cfg.top_k,
                               sampling_cfg.max_response_len, (tok.eos_token_id,))
     kv_max_versions = staleness.max_versions if engine_cfg.reuse_stale_kv else 0
-    worker = EngineWorker(build_engine(engine_cfg, model_path, version, max_versions=kv_max_versions),
+    worker = EngineWorker(build_engine(engine_cfg, model_path, version, max_versions=kv_max_versions,
+                                       weights_root=weights_root),
                           lambda ids: tok.decode(ids, skip_special_tokens=True), build_reward_fn(task), sampling,
                           tok.encode, task.reward_timeout_s)
     if episodes is not None and episodes.episode_fn:
