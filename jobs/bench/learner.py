@@ -1,7 +1,7 @@
 """One learner step at the paper's vocabulary: tokens/s and peak memory, each memory option on and off, and
 the memory plan against what was measured.
 
-    python -m jobs.bench.learner --json PATH [--shapes 10M,50M] [--tokens 2048,8192] [--threads N]
+    python -m jobs.bench.learner --json PATH [--shapes 10M,50M] [--tokens 2048,8192] [--threads N] [--options ...]
 
 Random-init Qwen3 models with Qwen3's 151,936-token vocabulary (what makes the logits large) and about 10M
 and 50M parameters besides the embedding, one micro-batch of `--tokens` tokens (4 samples, 16-token
@@ -9,7 +9,8 @@ prompts), the torch backend in fp32 on CPU. Each measurement runs in a process o
 first (the optimiser's states exist from then on), then the measured step; its peak is the process's peak
 resident memory during that step (VmHWM, reset before it) over what the process held before the learner
 was built. Every shape and length runs with checkpointing and chunked log-probs on; the first shape at
-the first length also runs each option alone and both off (whole logits: 8k tokens would need ~25 GB).
+the first length also runs each option alone and both off (whole logits: 8k tokens would need ~25 GB),
+and packed; bf16 (autocast) only on a GPU by default (one CPU step took over 14 minutes).
 On a shared machine wall time depends on the neighbours: `tokens_per_cpu_s` (tokens over the step's
 process CPU time, all threads) is the steadier figure. Keys: `checkpointing_peak_ratio` (peak with both options over peak with neither), `grad_rel_diff` (largest
 relative difference, per weight tensor, of the step's gradient between the two, fp32), `plan_rel_err`
@@ -172,7 +173,8 @@ def predicted_bytes(name: str, vocab: int, option: str, tokens: int) -> float:
     return sum(learner_parts(shape(name, vocab), setting).values())
 
 
-def run(shapes: list[str], lengths: list[int], vocab: int, threads: int, work: Path, options_at_first=OPTIONS) -> dict:
+def run(shapes: list[str], lengths: list[int], vocab: int, threads: int, work: Path,
+        options_at_first=tuple(OPTIONS)) -> dict:
     runs = []
     for i, name in enumerate(shapes):
         model_dir = build_model_dir(name, vocab, work / name)
@@ -180,13 +182,12 @@ def run(shapes: list[str], lengths: list[int], vocab: int, threads: int, work: P
             for option in (options_at_first if i == j == 0 else ("both_on",)):
                 got = in_subprocess("measure", model_dir=str(model_dir), option=option, tokens=tokens, vocab=vocab,
                                     threads=threads)
-                plan = predicted_bytes(name, vocab, option, tokens) if OPTIONS[option][3] == "float32" else None
+                plan = predicted_bytes(name, vocab, option, tokens)
                 row = {"shape": name, "params": shape(name, vocab).num_params, "tokens": tokens, "option": option,
                        "tokens_per_s": round(got["tokens_per_s"], 1), "step_s": round(got["step_s"], 2),
                        "tokens_per_cpu_s": round(tokens / got["cpu_s"], 1),
                        "peak_gb": round(got["peak_bytes"] / 1e9, 3),
-                       "plan_gb": round(plan / 1e9, 3) if plan else None,
-                       "plan_rel_err": round(plan / got["peak_bytes"] - 1, 3) if plan else None}
+                       "plan_gb": round(plan / 1e9, 3), "plan_rel_err": round(plan / got["peak_bytes"] - 1, 3)}
                 print(json.dumps(row), flush=True)
                 runs.append(row)
     first = [r for r in runs if r["shape"] == shapes[0] and r["tokens"] == lengths[0]]
@@ -194,7 +195,7 @@ def run(shapes: list[str], lengths: list[int], vocab: int, threads: int, work: P
     grad = in_subprocess("gradients", model_dir=str(work / shapes[0]), tokens=lengths[0], vocab=vocab, threads=threads)
     return {"checkpointing_peak_ratio": round(peak["both_on"] / peak["both_off"], 3) if "both_off" in peak else None,
             "grad_rel_diff": grad,
-            "plan_rel_err": max(abs(r["plan_rel_err"]) for r in runs if r["plan_rel_err"] is not None),
+            "plan_rel_err": max(abs(r["plan_rel_err"]) for r in runs),
             "vocab_size": vocab, "threads": threads, "runs": runs}
 
 
@@ -205,6 +206,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="2048,8192")
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--options", help="options run at the first shape and length (default: all; on CPU all "
+                                          "but both_on_bf16)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a single measurement, in its own process
     args = parser.parse_args()
     if args.one:
@@ -212,9 +215,13 @@ def main() -> None:
         kind, model_dir = job.pop("kind"), Path(job.pop("model_dir"))
         print(json.dumps(measure_here(model_dir, **job) if kind == "measure" else gradients_here(model_dir, **job)))
         return
+    import torch
+
+    options = args.options.split(",") if args.options else [o for o in OPTIONS if torch.cuda.is_available()
+                                                            or o != "both_on_bf16"]
     with tempfile.TemporaryDirectory() as work:
         result = run(args.shapes.split(","), [int(t) for t in args.tokens.split(",")], args.vocab, args.threads,
-                     Path(work))
+                     Path(work), options)
     write_result(args.json, result)
 
 
