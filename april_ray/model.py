@@ -43,7 +43,7 @@ def embedded_model_dir(cfg: Config) -> Path:
         {"model": {k: v for k, v in asdict(cfg.model).items() if k not in ("path", "cache_dir")},
          "warmup": {k: v for k, v in asdict(cfg.warmup).items() if k != "num_threads"},
          "task": {"length": asdict(cfg.task.length), "seed": cfg.task.seed, "n": cfg.task.num_train,
-                  "max_step": cfg.task.max_step} | ({} if cfg.task.name == "countdown" else {"name": cfg.task.name}),
+                  "max_step": cfg.task.max_step} | ({} if cfg.task.name == "countdown" else {"name": cfg.task.name, "format": lookup_countdown.FORMAT}),
          "chat_template": CHAT_TEMPLATE},
         sort_keys=True,
     )

@@ -179,7 +179,8 @@ def fit_context(examples: list[Example], encode, max_prompt_tokens: int, policy:
 
 def task_dir(cfg: TaskConfig, cache_dir: str) -> Path:
     if cfg.name == "lookup_countdown":  # its lengths come from the tool's values, not task.length
-        key = json.dumps({"n": [cfg.num_train, cfg.num_eval], "seed": cfg.seed, "max_step": cfg.max_step})
+        key = json.dumps({"n": [cfg.num_train, cfg.num_eval], "seed": cfg.seed, "max_step": cfg.max_step,
+                          "format": lookup_countdown.FORMAT})
         return Path(cache_dir) / "data" / f"lookup-countdown-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     key = json.dumps({"length": asdict(cfg.length), "n": [cfg.num_train, cfg.num_eval], "seed": cfg.seed, "max_step": cfg.max_step})
     return Path(cache_dir) / "data" / f"countdown-{hashlib.sha1(key.encode()).hexdigest()[:10]}"

@@ -1,10 +1,11 @@
 """The embedded agent task: countdown from numbers the model must look up with a tool.
 
-A prompt `ab,qd-3:` names keys. For each key in turn the model calls the tool (` ab?`: `?` ends its
-turn), the environment answers with the key's value (`=0012`, environment tokens: context, not trained),
-and the model counts down from it in steps of 3 (` 0009 0006 0003 0000`); after the last key, EOS:
+A prompt `ab,qd-3:` names keys. For each key in turn the model calls the tool (` ?`: `?` ends its turn),
+the environment answers with the next key and its value (`ab=0012`, environment tokens: context, not
+trained), and the model counts down from it in steps of 3 (` 0009 0006 0003 0000`); once every key of the
+prompt was looked up, EOS:
 
-    ab,qd-3: ab?=0012 0009 0006 0003 0000 qd?=0007 0004 0001<eos>
+    ab,qd-3: ?ab=0012 0009 0006 0003 0000 ?qd=0007 0004 0001<eos>
 
 A key's value is a hash of the key, so only the tool knows it. Values are long-tailed and a prompt has one
 to three keys, so episodes have long-tailed lengths and numbers of turns. The reward is 1 when the whole
@@ -27,6 +28,8 @@ from april_ray.task.countdown import WIDTH, countdown_response
 KEY_CHARS = string.ascii_lowercase
 MAX_VALUE = 60
 TOOL_LOG = "APRIL_RAY_TOOL_LOG"
+FORMAT = 2
+"""The transcript's layout: part of the cache keys of the generated data and of the warmed-up model."""
 
 
 def value_of(key: str) -> int:
@@ -51,7 +54,7 @@ def segments(prompt: str) -> list[tuple[str, bool]]:
     out = []
     for key in keys.split(","):
         value = value_of(key)
-        out += [(f" {key}?", True), (f"={value:0{WIDTH}d}", False), (countdown_response(value, int(step)), True)]
+        out += [(" ?", True), (f"{key}={value:0{WIDTH}d}", False), (countdown_response(value, int(step)), True)]
     return _merged(out)
 
 
@@ -77,24 +80,29 @@ def generate(cfg: TaskConfig, num: int, seed: int) -> list[dict]:
 
 
 def lookup(sample_id: str, turn: int, key: str) -> int:
-    """The tool: the key's value (-1 for a key that is not two letters). Logs the call when asked to."""
+    """The tool: the key's value. Logs the call, with its sample and turn, when asked to."""
     log = os.environ.get(TOOL_LOG)
     if log:
         with open(log, "a") as f:
             f.write(json.dumps({"sample": sample_id, "turn": turn, "key": key}) + "\n")
-    return value_of(key) if len(key) == 2 and all(c in KEY_CHARS for c in key) else -1
+    return value_of(key)
 
 
 async def episode(ep) -> None:
-    """Model turns until one ends without a tool call (EOS, or the budget); each call is answered. The
-    task's reward (exact match) scores the whole response."""
+    """Model turns until one ends without a tool call (EOS, or the budget); call i looks up the prompt's
+    i-th key (a call past the last one is answered `none`). The task's reward (exact match) scores the
+    whole response."""
+    keys = ep.prompt.rstrip(":").rsplit("-", 1)[0].split(",")
     while True:
         text = await ep.generate(stop=("?",))
         if not text.endswith("?"):
             return None
-        key = text[:-1].rsplit(" ", 1)[-1]
+        if ep.turn > len(keys):
+            ep.append_env("none")
+            continue
+        key = keys[ep.turn - 1]
         value = await ep.call_tool("lookup", lookup, ep.sample.sample_id, ep.turn, key)
-        ep.append_env(f"={value:0{WIDTH}d}" if value >= 0 else "=????")
+        ep.append_env(f"{key}={value:0{WIDTH}d}")
 
 
 def reward(prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
