@@ -144,7 +144,9 @@ class Learner:
         model = load_model(model_path, learner_cfg, torch.float32).to(self.device).train()
         if learner_cfg.gradient_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        self.ref = load_model(model_path, learner_cfg, self.dtype).to(self.device).eval() if algo_cfg.kl_coef > 0 else None
+        self.ref = None
+        if algo_cfg.kl_coef > 0:
+            self.ref = load_model(model_path, learner_cfg, self.dtype).to(self.device).eval()
         self.optim = build_optim(model, learner_cfg, rank, world_size, master_port, self.dtype)
 
     @property
@@ -281,7 +283,10 @@ class Learner:
         """fp32 log-probs of the micro-batch's loss positions (0 elsewhere), in `collate`'s padded layout:
         the model reads padded rows or one packed row, and the vocabulary head runs in chunks of tokens."""
         ids, positions = batch["input_ids"], batch["mask"] > 0
-        layout = packed_layout(ids, batch["lengths"].tolist(), positions) if self.packed else padded_layout(ids, positions)
+        if self.packed:
+            layout = packed_layout(ids, batch["lengths"].tolist(), positions)
+        else:
+            layout = padded_layout(ids, positions)
         chunks = self.optim.lockstep(num_chunks(len(layout.src), self.cfg.logprob_chunk_tokens))
         with self.optim.autocast():
             return selected_logprobs(model, layout, self.temperature, chunks)

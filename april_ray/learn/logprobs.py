@@ -76,7 +76,8 @@ def selected_logprobs(model, layout: Layout, temperature: float, chunks: int) ->
     head = getattr(model, "module", model).get_output_embeddings()
     flat = head_logprobs(head, hidden, targets, temperature, chunks)
     rows, cols = layout.shape
-    return torch.zeros(rows * cols, dtype=flat.dtype, device=flat.device).index_put((layout.dst,), flat).view(rows, cols)
+    out = torch.zeros(rows * cols, dtype=flat.dtype, device=flat.device)
+    return out.index_put((layout.dst,), flat).view(rows, cols)
 
 
 def head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, chunks: int) -> torch.Tensor:

@@ -10,7 +10,8 @@ learner's peak, in two phases:
 
 Activations per token and layer were measured on the HF Qwen3 decoder layer (tensors saved for backward,
 fp32 and bf16, tests/test_plan.py keeps them honest); the logits of a chunk hold three fp32 copies of
-[chunk x vocab] at the peak of its backward (the saved log-softmax, its gradient, the logits' gradient). The plan is checked against measured peaks on CPU (`python -m jobs.bench.learner`).
+[chunk x vocab] at the peak of its backward (the saved log-softmax, its gradient, the logits' gradient).
+The plan is checked against measured peaks on CPU (`python -m jobs.bench.learner`).
 """
 from __future__ import annotations
 
@@ -121,7 +122,8 @@ def learner_parts(shape: Shape, s: LearnerSetting) -> dict[str, float]:
     parts["gradients"] = grads
     parts["optimizer_states"] = 8 * p / shard(1)  # Adam's two fp32 moments
     if zero == 3:  # a layer gathered (and the next prefetched), the embedding gathered for the head
-        parts["zero3_gathered"] = s.dtype_bytes * (2 * shape.layer_params + shape.embedding_params / (1 if shape.tied else 2))
+        head = shape.embedding_params / (1 if shape.tied else 2)
+        parts["zero3_gathered"] = s.dtype_bytes * (2 * shape.layer_params + head)
     parts["activations"] = activation_bytes(shape, s.dtype_bytes, s.tokens)[s.checkpointing]
     # the head's positions split evenly into as few chunks as the chunk size allows (logprobs.num_chunks)
     rows = -(-s.tokens // -(-s.tokens // s.chunk_tokens)) if s.chunk_tokens > 0 else s.tokens
@@ -168,7 +170,8 @@ class MemoryPlan:
         lines += [f"  {'phase ' + k:<20} {v:8.2f} GB" for k, v in self.phases.items()]
         lines += [f"  ({k}: {v})" for k, v in self.notes.items()]
         verdict = (f"fits: peak {self.peak_gb_per_gpu:.1f} GB of {self.gpu_memory_gb:.0f} GB per GPU" if self.fits else
-                   f"does NOT fit: peak {self.peak_gb_per_gpu:.1f} GB of {self.gpu_memory_gb:.0f} GB per GPU. {self.advice}")
+                   f"does NOT fit: peak {self.peak_gb_per_gpu:.1f} GB of {self.gpu_memory_gb:.0f} GB per GPU. "
+                   f"{self.advice}")
         return "\n".join(["memory per learner GPU:", *lines, verdict])
 
 
@@ -226,7 +229,8 @@ def plan(cfg, shape: Shape, gpu_memory_gb: float, dtype_bytes: int = 2) -> Memor
     if not result.fits:
         train_parts = {k: v for k, v in parts.items() if k != "engine_kv_pool"}
         if phases.get("rollout", 0) > phases["train"]:
-            result.advice = f"The rollout phase is the peak; set a smaller engine.mem_fraction (now {cfg.engine.mem_fraction})."
+            result.advice = (f"The rollout phase is the peak; set a smaller engine.mem_fraction "
+                             f"(now {cfg.engine.mem_fraction}).")
         else:
             result.advice = _advice(train_parts, setting)
     return result

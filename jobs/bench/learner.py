@@ -12,9 +12,10 @@ was built. Every shape and length runs with checkpointing and chunked log-probs 
 the first length also runs each option alone and both off (whole logits: 8k tokens would need ~25 GB),
 and packed; bf16 (autocast) only on a GPU by default (one CPU step took over 14 minutes).
 On a shared machine wall time depends on the neighbours: `tokens_per_cpu_s` (tokens over the step's
-process CPU time, all threads) is the steadier figure. Keys: `checkpointing_peak_ratio` (peak with both options over peak with neither), `grad_rel_diff` (largest
-relative difference, per weight tensor, of the step's gradient between the two, fp32), `plan_rel_err`
-(largest relative error of the plan's peak against a measured one), `runs` (every measurement).
+process CPU time, all threads) is the steadier figure. Keys: `checkpointing_peak_ratio` (peak with both
+options over peak with neither), `grad_rel_diff` (largest relative difference, per weight tensor, of the
+step's gradient between the two, fp32), `plan_rel_err` (largest relative error of the plan's peak against a
+measured one), `runs` (every measurement).
 """
 from __future__ import annotations
 
