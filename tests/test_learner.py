@@ -280,14 +280,26 @@ def replace_config(config, **changes):
     return copy
 
 
-def test_deepspeed_bfloat16_trains_bf16_weights_from_fp32_masters(random_model_dir):
-    learner = Learner(str(random_model_dir), LearnerConfig(backend="deepspeed", zero_stage=1, lr=1e-2, dtype="bfloat16"),
-                      AlgorithmConfig(), temperature=1.0, max_response_len=32, master_port=29733)
-    assert all(p.dtype == torch.bfloat16 for p in learner.module.parameters())
+def _bf16_rank(rank: int, world: int, port: int, model_dir: str, out: dict) -> None:
+    import os
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    learner = Learner(model_dir, LearnerConfig(backend="deepspeed", zero_stage=1, lr=1e-2, dtype="bfloat16"),
+                      AlgorithmConfig(), temperature=1.0, max_response_len=32, master_port=port)
     masters = learner.optimizer.single_partition_of_fp32_groups
-    assert masters and all(m.dtype == torch.float32 for m in masters)
     before = [m.clone() for m in masters]
-    samples = batch_from_policy(random_model_dir)
-    assert learner.proximal_logprobs(samples)[0].dtype == torch.float32
+    samples = batch_from_policy(model_dir)
+    out["proximal_dtype"] = str(learner.proximal_logprobs(samples)[0].dtype)
     metrics = learner.train_step(samples, version=0)
-    assert metrics["train/grad_norm"] > 0 and any(not torch.equal(b, m) for b, m in zip(before, masters))
+    out.update(module_dtypes={str(p.dtype) for p in learner.module.parameters()},
+               master_dtypes={str(m.dtype) for m in masters}, grad_norm=metrics["train/grad_norm"],
+               masters_moved=any(not torch.equal(b, m) for b, m in zip(before, masters)))
+
+
+@pytest.mark.timeout(300)
+def test_deepspeed_bfloat16_trains_bf16_weights_from_fp32_masters(random_model_dir):
+    from tests.ranks import run_ranks
+
+    out = run_ranks(_bf16_rank, 1, str(random_model_dir))  # a process of its own: one default group each
+    assert out["module_dtypes"] == {"torch.bfloat16"} and out["master_dtypes"] == {"torch.float32"}
+    assert out["proximal_dtype"] == "torch.float32" and out["grad_norm"] > 0 and out["masters_moved"]
