@@ -27,7 +27,7 @@ class RolloutGroup:
                                           cfg.rollout.n_samples_per_prompt, cfg.sampling.max_response_len,
                                           cfg.task.seed + 7919 * cfg.train.seed,  # the prompt order
                                           cfg.engine.max_model_len - cfg.sampling.max_response_len,
-                                          cfg.task.overlong_prompts)
+                                          cfg.task.overlong_prompts, task=cfg.task)
         ray.get(source.num_groups_taken.remote())  # a bad dataset row stops the job here, named by file and line
         store = StoreActor.remote(cfg.staleness)
         monitor = CompletionMonitorActor.remote(cfg.rollout, engines.actors, engines.capacities, source, store)

@@ -104,7 +104,16 @@ def optimizer_tensors(learner) -> list[torch.Tensor]:
     return found
 
 
-def test_deepspeed_state_is_saved_as_safetensors_and_a_pickle_put_in_its_place_never_runs(random_model_dir, tmp_path):
+@pytest.fixture
+def process_group_destroyed():
+    """The learner joins a default process group in this process: leave none behind for later tests."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_deepspeed_state_is_saved_as_safetensors_and_a_pickle_put_in_its_place_never_runs(random_model_dir, tmp_path,
+                                                                                            process_group_destroyed):
     """DeepSpeed's own checkpoint engine unpickles its `.pt` files; ours writes and reads safetensors. The
     state comes back exactly; pickles in place of its files are refused by name and do not run."""
     learner = deepspeed_learner(random_model_dir, 29751)
