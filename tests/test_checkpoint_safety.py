@@ -3,6 +3,7 @@ is refused by name and never run, the manifest's sha256 and the `latest` pointer
 sets an earlier one aside, and a resume with nothing usable stops instead of starting over."""
 import json
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -104,38 +105,43 @@ def optimizer_tensors(learner) -> list[torch.Tensor]:
     return found
 
 
-@pytest.fixture
-def process_group_destroyed():
-    """The learner joins a default process group in this process: leave none behind for later tests."""
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-def test_deepspeed_state_is_saved_as_safetensors_and_a_pickle_put_in_its_place_never_runs(random_model_dir, tmp_path,
-                                                                                            process_group_destroyed):
-    """DeepSpeed's own checkpoint engine unpickles its `.pt` files; ours writes and reads safetensors. The
-    state comes back exactly; pickles in place of its files are refused by name and do not run."""
-    learner = deepspeed_learner(random_model_dir, 29751)
-    batch = batch_from_policy(random_model_dir)
+def _deepspeed_round_trip(rank, world, port, model_dir, tmp, out):
+    """One DeepSpeed rank (a process of its own: one default process group each): save, move on, load back,
+    then pickles in place of its state files."""
+    tmp = Path(tmp)
+    learner = deepspeed_learner(model_dir, port)
+    batch = batch_from_policy(model_dir)
     learner.train_step(batch, version=0)
     saved = optimizer_tensors(learner)
-    learner.save(tmp_path, str(random_model_dir))
-    files = sorted((tmp_path / "optimizer").rglob("*.pt"))
-    assert files and not list(tmp_path.rglob("*.py"))
+    learner.save(tmp, str(model_dir))
+    files = sorted((tmp / "optimizer").rglob("*.pt"))
+    out["files"], out["py_files"] = len(files), len(list(tmp.rglob("*.py")))
     for f in files:
         load_state(f)  # each a safetensors state file
     learner.train_step(batch, version=1)  # the state moves on ...
-    assert any(not torch.equal(a, b) for a, b in zip(saved, optimizer_tensors(learner)))
-    learner.load(tmp_path)  # ... and comes back as saved
-    assert all(torch.equal(a, b) for a, b in zip(saved, optimizer_tensors(learner)))
-
-    marker = tmp_path / "pwned"
+    out["moved"] = any(not torch.equal(a, b) for a, b in zip(saved, optimizer_tensors(learner)))
+    learner.load(tmp)  # ... and comes back as saved
+    out["restored"] = all(torch.equal(a, b) for a, b in zip(saved, optimizer_tensors(learner)))
+    marker = tmp / "pwned"
     for f in files:
         f.write_bytes(pickle.dumps({"module": Payload(marker)}))
-    with pytest.raises(StateFileError, match=r"optimizer/state/.*\.pt: not a safetensors state file"):
-        learner.load(tmp_path)
-    assert not marker.exists()
+    try:
+        learner.load(tmp)
+        out["refused"] = ""
+    except StateFileError as e:
+        out["refused"] = str(e)
+    out["marker"] = marker.exists()
+
+
+def test_deepspeed_state_is_saved_as_safetensors_and_a_pickle_put_in_its_place_never_runs(random_model_dir, tmp_path):
+    """DeepSpeed's own checkpoint engine unpickles its `.pt` files; ours writes and reads safetensors. The
+    state comes back exactly; pickles in place of its files are refused by name and do not run."""
+    from tests.ranks import run_ranks
+
+    out = run_ranks(_deepspeed_round_trip, 1, str(random_model_dir), str(tmp_path))
+    assert out["files"] and not out["py_files"] and out["moved"] and out["restored"]
+    assert re.search(r"optimizer/state/.*\.pt: not a safetensors state file", out["refused"]), out["refused"]
+    assert not out["marker"]
 
 
 def test_check_contents_names_a_pickle_even_with_a_matching_manifest(tmp_path):

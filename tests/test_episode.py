@@ -323,3 +323,14 @@ def test_the_calculator_environment_answers_calls_and_never_runs_code():
     assert len(engine.requests) > 3  # "</calc>" is several tokens: the engine also stopped at "<calc>"'s ">"
     assert s.reward == 1.0 and s.episode["state"] == {"calls": 2} and s.episode["turn"] == 3
     assert TOK.decode([t for t, m in zip(s.response_ids, s.loss_mask) if not m]) == "<result>84</result><result>80</result>"
+
+
+def test_an_episode_that_returns_no_number_scores_zero_and_is_counted():
+    async def says_yes(ep):
+        await ep.generate(stop=("?",))
+        return "yes"
+
+    _, worker = make_worker()
+    worker.episode_fn = says_yes
+    [_], [s] = asyncio.run(worker.generate_group([fresh("ab-1:")], ("run", 0)))
+    assert s.reward == 0.0 and worker.reward.errors == 1

@@ -257,11 +257,12 @@ def test_weight_update_changes_outputs_to_the_new_weights(weights_server, model,
         c.update_weights(None, version)
         return before, await greedy_outputs(c, prompts, 16), await c.model_info()
 
+    had_default_group = torch.distributed.is_initialized()  # (an in-process DeepSpeed test may have made one)
     before, after, info = run(main, weights_server)
     assert [o.token_ids for o in after] == expected(model, sd, prompts, 16)
     assert [o.token_ids for o in before] != [o.token_ids for o in after]
     assert all(o.versions == [version] * 16 for o in after) and info["weight_version"] == str(version)
-    assert not torch.distributed.is_initialized()
+    assert torch.distributed.is_initialized() == had_default_group  # the broadcast's group is its own
 
 
 def test_memory_release_and_resume_cycle(weights_server, model):

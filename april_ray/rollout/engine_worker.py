@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from collections import Counter, deque
 
 from april_ray.config import EngineConfig, RolloutConfig, SamplingConfig, StalenessConfig, TaskConfig
@@ -107,7 +108,10 @@ class EngineWorker:
         except Exception as e:
             reward = self.reward.failed(sample.prompt, f"episode raised {e!r}")
             ep.state = ep.sample.episode["state"]  # as last recorded: what it holds now may be what failed
-        done = ep.finished(reward)
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
+                                   or not math.isfinite(reward)):
+            reward = self.reward.failed(sample.prompt, f"episode returned {reward!r:.60}, not a number")
+        done = ep.finished(None if reward is None else float(reward))
         if done.reward is None:
             reward = await self.reward(done.prompt, self.decode(done.response_ids), done.answer, done.metadata)
             done = dataclasses.replace(done, reward=reward)
