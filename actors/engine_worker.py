@@ -56,18 +56,20 @@ class EngineWorkerActor:
         """Which process this is, whether it serves, and its policy version (the driver's restart check)."""
         return {"incarnation": self.incarnation, "serving": self.serving, "version": self.version, "pid": os.getpid()}
 
-    async def generate_group(self, step, samples: list):
+    async def generate_group(self, step, samples: list, context: list = ()):
         """Call with `.options(num_returns=2)`: the metas (for the monitor), then the list of samples
         (for their consumer; see actors/refs.py).
 
         Samples are values, object refs, or `SampleRef`s to an earlier call's result (a sample interrupted
         by someone else's abort is re-sent by its handle), in one list argument: Ray serializes each
         top-level argument on its own, and one list cost the monitor ~0.4 ms a call to submit against
-        ~0.6 ms for a group's eight samples as separate arguments."""
+        ~0.6 ms for a group's eight samples as separate arguments. `context`: the group's finished samples,
+        the same way (task.reward_per_group only), fetched with them."""
         self._check_serving()
         self.metrics.call_started(self.worker.stats)
         try:
-            return await self.worker.generate_group(await fetch_async(samples), step)
+            values = await fetch_async([*samples, *context])
+            return await self.worker.generate_group(values[:len(samples)], step, values[len(samples):])
         finally:
             self.metrics.call_ended()
 

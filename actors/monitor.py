@@ -25,13 +25,16 @@ class RayProxy:
 
 
 class RayEnginePool:
-    def __init__(self, engines, capacities: list[int]):
+    def __init__(self, engines, capacities: list[int], reward_per_group: bool = False):
         self.engines = engines
         self.capacities = capacities
+        self.reward_per_group = reward_per_group
 
-    def generate(self, engine: int, samples: list, step):
-        meta_ref, samples_ref = self.engines[engine].generate_group.options(num_returns=2).remote(step, samples)
-        return self._meta(meta_ref), [SampleRef(samples_ref, i) for i in range(len(samples))]
+    def generate(self, engine: int, samples: list, step, context: list = ()):
+        """A call sends its context only when there is one: the per-sample reward's calls are unchanged."""
+        args = (step, samples, list(context)) if context else (step, samples)
+        meta_ref, samples_ref = self.engines[engine].generate_group.options(num_returns=2).remote(*args)
+        return self._meta(meta_ref), [SampleRef(samples_ref, i) for i in range(len(samples) + len(context))]
 
     @staticmethod
     async def _meta(ref):
@@ -51,8 +54,11 @@ class RayEnginePool:
 
 @ray.remote(num_cpus=0)
 class CompletionMonitorActor:
-    def __init__(self, cfg: RolloutConfig, engines, capacities: list[int], source, store):
-        self.monitor = CompletionMonitor(cfg, RayEnginePool(engines, capacities), RayProxy(source), RayProxy(store))
+    def __init__(self, cfg: RolloutConfig, engines, capacities: list[int], source, store,
+                 reward_per_group: bool = False):
+        """`reward_per_group`: task.reward_per_group (each engine call takes its group's finished samples)."""
+        pool = RayEnginePool(engines, capacities, reward_per_group)
+        self.monitor = CompletionMonitor(cfg, pool, RayProxy(source), RayProxy(store))
         self.metrics = MonitorMetrics(cfg, len(engines))
 
     async def step(self, step: int, version: int):

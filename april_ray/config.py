@@ -120,6 +120,12 @@ class TaskConfig:
     """`module:function` replacing the task's reward: `(prompt, response, answer, metadata) -> float`, sync or
     async, imported once per engine worker (its directory on PYTHONPATH). `metadata` is the dataset row's
     other fields. Empty: the task's own reward (countdown or math)."""
+    reward_per_group: bool = False
+    """task.reward_fn is a group function, `(prompts, responses, answers, metadatas) -> list[float]` (one reward
+    per response, same order; sync or async), called once per group when its last sample finishes, before
+    the dynamic filter and the advantages (april_ray/rollout/engine_worker.py). It fails as a group: if it
+    raises, times out or returns anything but one number per response, every sample scores 0 and each one
+    counts in rollout/reward_errors. Held-out evaluation calls it with groups of one. Needs reward_fn."""
     reward_url: str = ""
     """A served reward model instead: each finished sample is POSTed as JSON {prompt, response, answer,
     metadata}, and the reply is a number or {"reward": number}. Exclusive with reward_fn."""
@@ -439,6 +445,12 @@ def _check_across(cfg: Config) -> None:
         raise ConfigError("task.reward_url: set either task.reward_fn or task.reward_url, not both")
     if cfg.task.reward_url and not cfg.task.reward_url.startswith(("http://", "https://")):
         raise ConfigError(f"task.reward_url: expected an http:// or https:// URL, got {cfg.task.reward_url!r}")
+    if cfg.task.reward_per_group and cfg.task.reward_url:
+        raise ConfigError("task.reward_per_group: task.reward_url scores one sample at a time; "
+                          "a group function comes by task.reward_fn")
+    if cfg.task.reward_per_group and not cfg.task.reward_fn:
+        raise ConfigError("task.reward_per_group: needs task.reward_fn, the group function "
+                          "(prompts, responses, answers, metadatas) -> list[float]")
     if cfg.task.reward_fn and ":" not in cfg.task.reward_fn:
         raise ConfigError(f"task.reward_fn: expected module:function, got {cfg.task.reward_fn!r}")
     for name, dataset in cfg.eval.datasets.items():

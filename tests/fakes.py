@@ -87,12 +87,13 @@ def parity_reward(prompt, text, answer):
 
 
 def make_rollout_parts(cfg, num_examples=500, seed=0, num_engines=2, cap=16, tick=0.0002, abort_delay=0.0,
-                       reward_fn=parity_reward):
+                       reward_fn=parity_reward, reward_per_group=False):
     from april_ray.rollout.monitor import CompletionMonitor
 
     engines = [FakeEngine(tick, seed + e, cap) for e in range(num_engines)]
     sp = SamplingParams(temperature=1.0)
-    workers = [EngineWorker(e, lambda ids: "x" * len(ids), reward_fn, sp) for e in engines]
+    workers = [EngineWorker(e, lambda ids: "x" * len(ids), reward_fn, sp, reward_per_group=reward_per_group)
+               for e in engines]
     pool = LocalPool(workers, [cap] * num_engines, abort_delay)
     source = PromptSource(length_examples(num_examples, seed), lambda text: [int(text)],
                           cfg.rollout.n_samples_per_prompt, cfg.sampling.max_response_len, seed)

@@ -68,3 +68,58 @@ def test_reward_fn_and_dataset_from_outside_the_repository(tmp_path, random_mode
         assert abs(num_even - round(num_even)) < 1e-6 and 0 <= round(num_even) <= n, m["train/reward_mean"]
     assert sum(m["train/reward_mean"] * n for m, n in zip(steps, trained)) > 0  # the countdown would score 0
     assert {c["reward"] for c in train_calls} <= {1.0, 0.25}
+
+
+GROUPMOD = '''
+import json, os
+
+def judge(prompts, responses, answers, metadatas):
+    """The group's responses ranked by length (ties in order) as 0, 1/(n-1), ..., 1, so every group's rewards
+    average 0.5 (a group of one scores 1.0); every call appended to calls.jsonl."""
+    n = len(responses)
+    values = [0.0] * n
+    for rank, i in enumerate(sorted(range(n), key=lambda i: len(responses[i]))):
+        values[i] = rank / (n - 1) if n > 1 else 1.0
+    with open(os.path.join(os.path.dirname(__file__), "calls.jsonl"), "a") as f:
+        f.write(json.dumps({"rows": [[m["split"], m["row"]] for m in metadatas], "values": values}) + "\\n")
+    return values
+'''
+
+
+def test_group_reward_fn_from_outside_the_repository(tmp_path, random_model_dir, user_env):
+    """task.reward_per_group: the group function is called once per group, with the whole group, and its
+    values are the rewards the learner trains on; held-out evaluation calls it with groups of one."""
+    plug = tmp_path / "plug"
+    plug.mkdir()
+    (plug / "groupmod.py").write_text(GROUPMOD)
+    rows = countdown.generate(TaskConfig(), 316, seed=11)
+    for name, part in (("train", rows[:300]), ("eval", rows[300:])):
+        (plug / f"{name}.jsonl").write_text("".join(json.dumps(r | {"split": name, "row": i}) + "\n"
+                                                    for i, r in enumerate(part)))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu.yaml", f"model.path={random_model_dir}",
+           f"model.cache_dir={tmp_path}", f"train.output_dir={out}", f"task.train_path={plug / 'train.jsonl'}",
+           f"task.eval_path={plug / 'eval.jsonl'}", "task.reward_fn=groupmod:judge", "task.reward_per_group=true",
+           "train.num_steps=3", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
+           "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24", "engine.max_model_len=64",
+           "train.eval_every=10", "train.save_every=10", "train.eval_greedy=false", "learner.backend=torch",
+           "--summary", f"{tmp_path}/summary.json"]
+    env = {**user_env, "PYTHONPATH": str(plug), "WANDB_MODE": "offline"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    calls = [json.loads(line) for line in (plug / "calls.jsonl").read_text().splitlines()]
+    train_calls = [c for c in calls if c["rows"][0][0] == "train"]
+    eval_calls = [c for c in calls if c["rows"][0][0] == "eval"]
+    assert len(eval_calls) == 2 * 16 and all(len(c["rows"]) == 1 for c in eval_calls)
+    assert json.loads((tmp_path / "summary.json").read_text())["accuracy_before"] == 1.0
+    # each call scores one whole group (four samples of one prompt), and no group is scored twice
+    assert all(len(c["rows"]) == 4 and len({tuple(r) for r in c["rows"]}) == 1 for c in train_calls)
+    assert len({tuple(c["rows"][0]) for c in train_calls}) == len(train_calls) >= 3 * 4
+
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "train/version" in m]
+    assert len(steps) == 3 and sum(m["rollout/groups_resumed"] for m in steps) > 0  # groups split by aborts
+    for m in steps:  # the learner trained on the function's values: every group's average 0.5
+        assert m["train/reward_mean"] == pytest.approx(0.5) and m["rollout/reward_mean"] == pytest.approx(0.5)
+        assert m.get("rollout/reward_errors", 0) == 0

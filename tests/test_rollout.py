@@ -230,10 +230,10 @@ def test_a_failing_engine_call_stores_every_sample_then_fails_the_step():
     calls = []
 
     def failing_third(generate_group):
-        async def call(samples, step):
+        async def call(samples, step, context=()):
             calls.append(step)
             if len(calls) != 3:
-                return await generate_group(samples, step)
+                return await generate_group(samples, step, context)
             raise ValueError("bad sample")
         return call
 

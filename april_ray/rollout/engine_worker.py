@@ -14,6 +14,20 @@ engines starts with open steps.
 With `rollout.episode_fn` each sample is an episode of several turns (april_ray/rollout/episode.py): the
 worker runs the episode function instead of one engine call, and an abort that lands inside one of its
 turns leaves the sample PARTIAL with its trajectory and the episode's state.
+
+With `task.reward_per_group` the reward is a group function, so a sample that finishes waits, unrewarded
+(reward None, in the store too), until its group is complete. Every call carries all of a group's
+unfinished samples (the monitor sends one call per group at a time), so the call in which they all finish
+is the one that completes the group, whichever step and engine it runs in. The monitor sends each call the
+group's finished samples besides, as read-only `context` (handles: on Ray they come from the object store,
+never through the monitor); when every sample sent finishes, the worker calls the group function once on
+the whole group and returns the context too, rewarded, so the monitor swaps its handles and metas of those
+samples for the rewarded ones before the group meets the dynamic filter. A call that is aborted, refused by
+a closed step, or lost with its engine returns no context: the group stays unrewarded and the call that
+later completes it scores it from scratch (on a lost call the function may run again; its first values
+never reach anyone). Episodes run first and the group function scores their final responses: an episode
+that returns a number (or raises: 0) keeps it, as without the flag, and the group function scores those
+that return None, seeing the whole group either way.
 """
 from __future__ import annotations
 
@@ -56,7 +70,7 @@ def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, stalene
     worker = EngineWorker(build_engine(engine_cfg, model_path, version, max_versions=kv_max_versions,
                                        weights_root=weights_root),
                           lambda ids: tok.decode(ids, skip_special_tokens=True), build_reward_fn(task), sampling,
-                          tok.encode, task.reward_timeout_s)
+                          tok.encode, task.reward_timeout_s, reward_per_group=task.reward_per_group)
     if episodes is not None and episodes.episode_fn:
         worker.use_episodes(load_object(episodes.episode_fn, "rollout.episode_fn"), journal or ToolJournal(),
                             engine_cfg.max_model_len, episodes.tool_timeout_s,
@@ -76,13 +90,15 @@ async def gather_or_cancel(*aws):
 
 class EngineWorker:
     def __init__(self, engine, decode, reward_fn, sampling: SamplingParams, encode=None,
-                 reward_timeout_s: float = TaskConfig.reward_timeout_s):
+                 reward_timeout_s: float = TaskConfig.reward_timeout_s, reward_per_group: bool = False):
         self.engine = engine
         self.decode = decode
         self.encode = encode
         """The tokenizer's encode, for callers that build evaluation items in this process."""
         self.reward = RewardRunner(reward_fn, reward_timeout_s)
         """Off the event loop with a timeout; a call that fails scores 0 and is counted (`stats`)."""
+        self.reward_per_group = reward_per_group
+        """`reward_fn` scores whole groups, once each is complete (`reward_group`)."""
         self.sampling = sampling
         self.closed_steps: deque = deque(maxlen=64)
         self.episode_fn = None
@@ -112,28 +128,55 @@ class EngineWorker:
                                    or not math.isfinite(reward)):
             reward = self.reward.failed(sample.prompt, f"episode returned {reward!r:.60}, not a number")
         done = ep.finished(None if reward is None else float(reward))
-        if done.reward is None:
+        if done.reward is None and not self.reward_per_group:  # else its group's function scores it
             reward = await self.reward(done.prompt, self.decode(done.response_ids), done.answer, done.metadata)
             done = dataclasses.replace(done, reward=reward)
         return sample_meta(done, ep.num_new_tokens), done
 
-    async def generate_group(self, samples: list[Sample], step) -> tuple[list[SampleMeta], list[Sample]]:
+    async def generate_group(self, samples: list[Sample], step, context: list[Sample] = ()
+                             ) -> tuple[list[SampleMeta], list[Sample]]:
         """Generate some samples of one group at once: (their metas, the samples extended and rewarded).
         The first sample that fails (or is cancelled) fails the call and cancels the rest; the samples sent
-        are never changed, so a failed call leaves them as they were."""
+        are never changed, so a failed call leaves them as they were.
+
+        `context`: the group's finished samples, with `task.reward_per_group`. When every sample sent
+        finishes, the group is complete: it is scored, and the result is the samples sent, then the context
+        samples, rewarded; otherwise the samples sent alone."""
         if step in self.closed_steps or not samples:
             return [sample_meta(s, 0) for s in samples], list(samples)
         run = self.run_episode if self.episode_fn is not None else self.generate_sample
         done = await gather_or_cancel(*(run(s, step, f"@{step}") for s in samples))
-        return [m for m, _ in done], [s for _, s in done]
+        metas, samples = [m for m, _ in done], [s for _, s in done]
+        if self.reward_per_group and all(s.state == SampleState.FINISHED for s in samples):
+            group = await self.reward_group([*samples, *context])
+            metas = [dataclasses.replace(m, reward=s.reward) for m, s in zip(metas, group)]
+            return metas + [sample_meta(s, 0) for s in group[len(samples):]], group
+        return metas, samples
+
+    async def reward_group(self, group: list[Sample]) -> list[Sample]:
+        """A complete group with the group function's rewards, from one call that sees every sample; a
+        sample that has a reward already (its episode returned one) keeps it."""
+        if all(s.reward is not None for s in group):
+            return group
+        rewards = await self.reward.group([s.prompt for s in group], [self.decode(s.response_ids) for s in group],
+                                          [s.answer for s in group], [s.metadata for s in group])
+        return [s if s.reward is not None else dataclasses.replace(s, reward=r) for s, r in zip(group, rewards)]
+
+    async def score(self, prompt: str, response: str, answer: str, metadata: dict) -> float:
+        """One response's reward outside a group (evaluation): with `task.reward_per_group`, a group of one."""
+        if self.reward_per_group:
+            [reward] = await self.reward.group([prompt], [response], [answer], [metadata])
+            return reward
+        return await self.reward(prompt, response, answer, metadata)
 
     async def generate_sample(self, sample: Sample, step, tag: str) -> tuple[SampleMeta, Sample]:
-        """One engine call with the sample's remaining budget, then its reward if it finished."""
+        """One engine call with the sample's remaining budget, then its reward if it finished (unless its
+        group is scored as a whole)."""
         sample = sample.resend()
         sampling = dataclasses.replace(self.sampling, max_new_tokens=sample.remaining_budget)
         out = await self.engine.generate(GenerateRequest(sample.sample_id + tag, sample.input_ids, sampling))
         sample = sample.extended(out)
-        if sample.state == SampleState.FINISHED:
+        if sample.state == SampleState.FINISHED and not self.reward_per_group:
             reward = await self.reward(sample.prompt, self.decode(sample.response_ids), sample.answer, sample.metadata)
             sample = dataclasses.replace(sample, reward=reward)
         return sample_meta(sample, out.num_tokens), sample
@@ -157,7 +200,7 @@ class EngineWorker:
                                                for i, item in enumerate(items)]))
         outs = await asyncio.gather(*[self.engine.generate(GenerateRequest(f"{tag}-{i}", ids, sp))
                                       for i, (_, ids, _, _) in enumerate(items)])
-        rewards = await asyncio.gather(*[self.reward(prompt, self.decode(o.token_ids), answer, metadata)
+        rewards = await asyncio.gather(*[self.score(prompt, self.decode(o.token_ids), answer, metadata)
                                          for (prompt, _, answer, metadata), o in zip(items, outs)])
         return [(r, o.num_tokens) for r, o in zip(rewards, outs)]
 
@@ -167,6 +210,9 @@ class EngineWorker:
         ctx = dataclasses.replace(self.episodes, sampling=sampling, journal=ToolJournal(), closed_steps=())
         sample = Sample(rid, rid, prompt, answer, ids, sampling.max_new_tokens, metadata=metadata)
         _, done = await self.run_episode(sample, None, "", ctx)
+        if done.reward is None:
+            done = dataclasses.replace(done, reward=await self.score(prompt, self.decode(done.response_ids),
+                                                                      answer, metadata))
         return done.reward, done.num_model_tokens
 
     def abort_all(self, step) -> int:

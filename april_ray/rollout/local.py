@@ -36,18 +36,21 @@ class LocalPool:
         self.capacities = capacities
         self.abort_delay = abort_delay
         self.dead: set[int] = set()
+        self.reward_per_group = any(w.reward_per_group for w in workers)
 
-    def generate(self, engine, samples, step):
-        """(a task of the call's metas, a handle per sample), the call being the worker's `generate_group`."""
-        call = asyncio.ensure_future(self._call(engine, [resolve(s) for s in samples], step))
+    def generate(self, engine, samples, step, context=()):
+        """(a task of the call's metas, a handle per sample and per context sample), the call being the
+        worker's `generate_group`."""
+        context = [resolve(s) for s in context]
+        call = asyncio.ensure_future(self._call(engine, [resolve(s) for s in samples], step, context))
         metas = asyncio.ensure_future(self._metas(engine, call))
         metas.add_done_callback(lambda m: call.cancel() if m.cancelled() else None)
-        return metas, [LocalHandle(call, i) for i in range(len(samples))]
+        return metas, [LocalHandle(call, i) for i in range(len(samples) + len(context))]
 
-    async def _call(self, engine, samples, step):
+    async def _call(self, engine, samples, step, context):
         if engine in self.dead:
             raise EngineFailure(f"engine {engine} is dead")
-        return await self.workers[engine].generate_group(samples, step)
+        return await self.workers[engine].generate_group(samples, step, context)
 
     async def _metas(self, engine, call: asyncio.Future):
         metas, _ = await asyncio.shield(call)

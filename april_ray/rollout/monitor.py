@@ -41,9 +41,14 @@ class StepFailed(RuntimeError):
 
 class EnginePool(Protocol):
     capacities: list[int]
+    reward_per_group: bool
+    """The engines score whole groups (task.reward_per_group): each call takes the group's finished samples."""
 
-    def generate(self, engine: int, samples: list[Any], step) -> tuple[Awaitable[list[SampleMeta]], list[Any]]:
-        """Start one call for some samples of a group; returns (future of their metas, a handle per sample)."""
+    def generate(self, engine: int, samples: list[Any], step, context: list[Any] = ()
+                 ) -> tuple[Awaitable[list[SampleMeta]], list[Any]]:
+        """Start one call for some samples of a group, with the handles of its finished ones as `context`;
+        returns (future of their metas, a handle per sample, then per context sample). The metas cover the
+        context samples too when the call completed the group (engine_worker.EngineWorker.generate_group)."""
 
     async def abort_all(self, step, engines: list[int]) -> None:
         """Close the step token on these engines and abort what they run (idempotent)."""
@@ -191,11 +196,15 @@ class CompletionMonitor:
 
         One call per group, not per sample: a group is the unit of completion, and Ray's per-call cost
         would otherwise rival a tiny model's decode step. The engine's own scheduler enforces its
-        concurrency cap (excess requests wait in its queue, as on an SGLang server).
+        concurrency cap (excess requests wait in its queue, as on an SGLang server). Each call carries all
+        of its group's unfinished samples, so the call in which they finish completes the group: with
+        task.reward_per_group it also carries the finished ones' handles, for the group function.
         """
         while s.queue:
             flight = s.flights[s.queue[0]]
             idx = [i for i, st in enumerate(flight.states) if st != SampleState.FINISHED]
+            finished = [i for i, st in enumerate(flight.states) if st == SampleState.FINISHED]
+            context = finished if self.pool.reward_per_group else []
             engine = flight.engine
             if engine < 0 or not self.alive[engine] or s.load[engine] + len(idx) > self.pool.capacities[engine]:
                 engine = s.load.least(self.alive)
@@ -203,9 +212,10 @@ class CompletionMonitor:
                     return
             gid = s.queue.popleft()
             flight.engine = engine
-            fut, handles = self.pool.generate(engine, [flight.handles[i] for i in idx], s.token)
+            fut, handles = self.pool.generate(engine, [flight.handles[i] for i in idx], s.token,
+                                              [flight.handles[i] for i in context])
             fut = asyncio.ensure_future(fut)
-            s.pending[fut] = Call(gid, idx, engine, handles, self.clock())
+            s.pending[fut] = Call(gid, idx, engine, handles, self.clock(), context)
             s.completions.watch(fut)
             for i in idx:
                 flight.states[i] = SampleState.RUNNING
@@ -226,7 +236,10 @@ class CompletionMonitor:
             else:  # a bug or a bad sample: not resent; the step stores everything, then fails
                 s.call_errors.append(f"group {call.group_id} on engine {call.engine}: {e!r}")
             return
-        for i, handle, meta in zip(call.indices, call.handles, metas):
+        # A call that completed its group under task.reward_per_group returns its context samples too,
+        # rewarded: their handles and metas replace the unrewarded ones (and so reach the store's cache).
+        indices = call.indices + call.context if len(metas) > len(call.indices) else call.indices
+        for i, handle, meta in zip(indices, call.handles, metas):
             flight.handles[i], flight.metas[i], flight.states[i] = handle, meta, meta.state
             s.generated_tokens += meta.num_new_tokens
         s.sample_seconds += len(call.indices) * (self.clock() - call.sent_s)

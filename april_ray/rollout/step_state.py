@@ -120,8 +120,11 @@ class Call:
     """Which samples of the group it carries."""
     engine: int
     handles: list[Any]
-    """A handle per carried sample, for its result."""
+    """A handle per carried sample, for its result, then one per context sample."""
     sent_s: float = 0.0
+    context: list[int] = field(default_factory=list)
+    """The group's finished samples sent beside them (task.reward_per_group), to be scored with them if the
+    call completes the group."""
 
 
 @dataclass

@@ -4,7 +4,9 @@ Groups keep their samples exactly as the engines left them: token ids, behaviour
 policy version of every token. `take_partial` hands them back oldest first. The staleness bound applies
 there, at the moment a group would be resumed: under `policy=restart` a sample whose oldest token is more
 than `max_versions` versions behind restarts from its prompt (its tokens are counted as discarded); under
-`mask` and `keep` it keeps its tokens (the learner masks what is stale under `mask`).
+`mask` and `keep` it keeps its tokens (the learner masks what is stale under `mask`). Under
+`task.reward_per_group` a finished sample of an unfinished group has no reward yet: its group is scored
+when it completes (april_ray/rollout/engine_worker.py).
 """
 from __future__ import annotations
 
@@ -89,6 +91,8 @@ class PartialRolloutStore:
         for i, g in enumerate(complete):
             if not g.is_complete:
                 raise ValueError(f"{where}.complete[{i}]: group {g.group_id} has unfinished samples")
+            if any(s.reward is None for s in g.samples):
+                raise ValueError(f"{where}.complete[{i}]: group {g.group_id} has a sample without a reward")
         self.partial = OrderedDict((g.group_id, g) for g in partial)
         self.complete = complete
         self.num_restarted_samples = restarted
@@ -150,8 +154,6 @@ def sample_from_json(d: dict, where: str) -> Sample:
         raise ValueError(f"{where}: {e}") from None
     if v["state"] == SampleState.RUNNING:
         raise ValueError(f"{where}.state: a stored sample cannot be running")
-    if v["state"] == SampleState.FINISHED and v["reward"] is None:
-        raise ValueError(f"{where}.reward: a finished sample has a reward")
     v["reward"] = float(v["reward"]) if v["reward"] is not None else None
     extra = _episode_fields(d, n, where)
     model = n if extra["loss_mask"] is None else sum(extra["loss_mask"])

@@ -6,6 +6,12 @@ by dotted path (`task.reward_fn=module:function`) and a served reward model by U
 Every reward has one signature, `(prompt, response, answer, metadata) -> float` (an async function too;
 one without `metadata` is called without it), and runs under `RewardRunner`: a call that raises, hangs or
 returns no number scores 0 and is counted.
+
+With `task.reward_per_group`, `task.reward_fn` is a group function instead, `(prompts, responses, answers,
+metadatas) -> list[float]`, called once per complete group (pairwise or relative judges, a reward model
+that scores a group together; april_ray/rollout/engine_worker.py says when). Same rule, per group: if it
+raises, hangs, or returns anything but one finite number per response, every sample of the group scores 0
+and each one is counted.
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ from april_ray.task.countdown import countdown_reward
 
 RewardFn = Callable[[str, str, str, dict], "float | Awaitable[float]"]
 """(prompt, response, answer, metadata) -> reward; metadata is the dataset row's other fields."""
+GroupRewardFn = Callable[[list[str], list[str], list[str], list[dict]], "list[float] | Awaitable[list[float]]"]
+"""(prompts, responses, answers, metadatas) -> a reward per response, in order (`task.reward_per_group`)."""
 
 THINK_END = "</think>"
 
@@ -68,8 +76,9 @@ def after_think(fn: RewardFn) -> RewardFn:
     return scored
 
 
-def build_reward_fn(task: TaskConfig) -> RewardFn:
-    """The reward the config asks for: task.reward_fn, task.reward_url, or the task's own."""
+def build_reward_fn(task: TaskConfig) -> RewardFn | GroupRewardFn:
+    """The reward the config asks for: task.reward_fn (a group function with task.reward_per_group),
+    task.reward_url, or the task's own."""
     if task.reward_fn:
         return load_object(task.reward_fn, "task.reward_fn")
     if task.reward_url:
@@ -150,18 +159,28 @@ class RewardRunner:
         self.hung = 0
 
     async def __call__(self, prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
+        """One response's reward, from a per-sample function."""
         args = (prompt, response, answer, metadata or {})[:self.num_args]
+        [reward] = await self._score(args, prompt, 1, lambda value: [_number(value)])
+        return reward
+
+    async def group(self, prompts: list[str], responses: list[str], answers: list[str],
+                    metadatas: list[dict]) -> list[float]:
+        """A group's rewards, one per response in the same order, from a group function in one call; a call
+        that fails scores every response 0, each one counted."""
+        args = (prompts, responses, answers, metadatas)[:self.num_args]
+        return await self._score(args, prompts[0], len(prompts), lambda value: _numbers(value, len(prompts)))
+
+    async def _score(self, args, prompt: str, n: int, read) -> list[float]:
+        """`read` turns the function's value into `n` rewards, or raises."""
         try:
-            value = await asyncio.wait_for(self._start(args), self.timeout_s)
-            reward = float(value)
-            if not math.isfinite(reward):
-                raise ValueError(f"returned {value!r}")
-            return reward
+            return read(await asyncio.wait_for(self._start(args), self.timeout_s))
         except asyncio.TimeoutError:
             self.hung += 1
-            return self._error(prompt, f"no result within task.reward_timeout_s={self.timeout_s:g}s")
+            why = f"no result within task.reward_timeout_s={self.timeout_s:g}s"
         except Exception as e:  # the function's own error, or a result that is not a number
-            return self._error(prompt, repr(e))
+            why = repr(e)
+        return [self._error(prompt, why, n)] * n
 
     def _start(self, args) -> Awaitable:
         """An async function runs on the event loop (cancelled at the timeout); a plain one in a thread."""
@@ -184,17 +203,33 @@ class RewardRunner:
         """Score a call that failed outside the runner (an episode that raised): 0, counted and logged."""
         return self._error(prompt, why)
 
-    def _error(self, prompt: str, why: str) -> float:
-        self.errors += 1
-        self.total_errors += 1
-        if self.total_errors <= self.max_logged:
-            self.log(f"reward error ({why}) for prompt {prompt[:80]!r}: scored 0"
-                     + (" (further errors are only counted)" if self.total_errors == self.max_logged else ""))
+    def _error(self, prompt: str, why: str, n: int = 1) -> float:
+        """0, with `n` errors counted (a group's, one per sample) and the first few logged."""
+        self.errors += n
+        self.total_errors += n
+        if self.total_errors - n < self.max_logged:
+            group = f" (a group of {n})" if n > 1 else ""
+            self.log(f"reward error ({why}) for prompt {prompt[:80]!r}{group}: scored 0"
+                     + (" (further errors are only counted)" if self.total_errors >= self.max_logged else ""))
         return 0.0
 
     def drain_errors(self) -> int:
         n, self.errors = self.errors, 0
         return n
+
+
+def _number(value) -> float:
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise ValueError(f"returned {value!r}")
+    return reward
+
+
+def _numbers(values, n: int) -> list[float]:
+    """A group function's value: `n` finite numbers (a list, a tuple, an array)."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or len(values) != n:
+        raise ValueError(f"returned {values!r:.80} for a group of {n}: expected a list of {n} numbers")
+    return [_number(v) for v in values]
 
 
 def _accepts(fn, num_args: int) -> bool:
