@@ -197,6 +197,30 @@ def test_evaluation_scores_each_response_as_a_group_of_one():
     assert got == [(0.5, 3), (0.5, 4)] and calls == [1, 1]
 
 
+def test_episodes_end_first_and_those_returning_none_are_scored_by_the_group_function():
+    from april_ray.rollout.episode import ToolJournal
+
+    calls = []
+
+    def judge(prompts, responses, answers, metadatas):
+        calls.append(list(responses))
+        return [10.0 + j for j in range(len(responses))]
+
+    async def episode(ep):
+        await ep.generate()
+        if ep.metadata.get("own") == "raise":
+            raise RuntimeError("tool broke")
+        return ep.metadata.get("own")
+
+    worker = fake_worker(judge)
+    worker.use_episodes(episode, ToolJournal(), max_model_len=200, tool_timeout_s=5.0, encode=lambda s: [])
+    group = [Sample(f"gs{i}", "g", "p", "", [n], 100, metadata={"own": own})
+             for i, (n, own) in enumerate([(2, None), (3, 0.25), (4, None), (5, "raise")])]
+    metas, samples = asyncio.run(worker.generate_group(group, ("run", 0)))
+    assert calls == [["xx", "xxx", "xxxx", "xxxxx"]]  # the whole group's final responses
+    assert [s.reward for s in samples] == [m.reward for m in metas] == [10.0, 0.25, 12.0, 0.0]
+    assert worker.reward.drain_errors() == 1  # the episode that raised
+
 # -- the monitor ---------------------------------------------------------------------------------------
 class Judge:
     """A group function whose values name its call: call c gives the j-th response c * 100 + j."""
@@ -310,3 +334,27 @@ def test_without_the_flag_calls_carry_no_context():
     asyncio.run(rollout.step(0, 0))
     asyncio.run(rollout.step(1, 1))
     assert sent and set(sent) == {0} and pool.reward_per_group is False
+
+
+def test_the_store_keeps_unrewarded_finished_samples_of_unfinished_groups_across_a_checkpoint():
+    """A checkpoint taken under task.reward_per_group holds finished samples without a reward in partial
+    groups; they load back as they were. A complete group must be rewarded."""
+    import json
+
+    from april_ray.rollout.store import PartialRolloutStore
+    from april_ray.types import Group
+
+    done = Sample("gs0", "g", "p", "", [3], 10, response_ids=[7] * 3, logprobs=[0.0] * 3, versions=[0] * 3,
+                  state=SampleState.FINISHED)
+    waiting = Sample("gs1", "g", "p", "", [9], 10, response_ids=[7], logprobs=[0.0], versions=[0],
+                     state=SampleState.PARTIAL)
+    store = PartialRolloutStore()
+    store.put_partial([Group("g", 0, [done, waiting])])
+    state = json.loads(json.dumps(store.state_dict()))
+    again = PartialRolloutStore()
+    again.load_state_dict(state)
+    assert again.partial["g"].samples == [done, waiting]
+    group = state.pop("partial")[0]
+    group["samples"][1] = {**group["samples"][0], "sample_id": "gs1"}  # both finished, neither rewarded
+    with pytest.raises(ValueError, match=r"store.complete\[0\]: group g has a sample without a reward"):
+        again.load_state_dict(state | {"partial": [], "complete": [group]})
