@@ -29,12 +29,15 @@ class SimulateConfig:
     """Learner time = tokens x 6 x params / (GPUs x peak FLOP/s x this) (assumption)."""
     weight_sync_gb_s: float = positive(50.0)
     """Bandwidth of the weight broadcast after each step, GB/s (assumption: one 400 Gb/s NIC)."""
-    length_family: str = one_of("lognormal", "lognormal", "histogram", "task")
-    """Response lengths: lognormal (length_median, length_sigma), histogram or task (length_file)."""
+    length_family: str = one_of("lognormal", "lognormal", "pareto", "histogram", "task")
+    """Response lengths: lognormal (length_median, length_sigma), pareto (length_median as the scale x_m,
+    length_alpha), histogram or task (length_file)."""
     length_median: float = positive(3000.0)
     """Median response in tokens (assumption for Qwen3-4B reasoning traces on DAPO-Math)."""
     length_sigma: float = positive(1.0)
     """Log-space spread: with median 3,000, ~4.5% of samples reach a 16,384 budget (assumption)."""
+    length_alpha: float = positive(1.2)
+    """pareto: the tail index (the countdown task's default, task.length.alpha)."""
     length_file: str = ""
     """JSON of measured lengths (sim/workload.py: load_lengths_file)."""
     group_correlation: float = non_negative(0.5)
@@ -71,7 +74,7 @@ def load_simulate_config(overrides: list[str]) -> SimulateConfig:
                 raise ConfigError(f"simulate.{f.name}: must be {text}, got {getattr(cfg, f.name)!r}")
     if cfg.group_correlation > 1:
         raise ConfigError(f"simulate.group_correlation: must be <= 1, got {cfg.group_correlation}")
-    if cfg.length_family != "lognormal" and not cfg.length_file:
+    if cfg.length_family in ("histogram", "task") and not cfg.length_file:
         raise ConfigError(f"simulate.length_file: length_family={cfg.length_family} needs a lengths file")
     return cfg
 

@@ -33,7 +33,7 @@ def token_block(cfg: Config, sim: SimulateConfig) -> int:
 def length_model(sim: SimulateConfig) -> LengthModel:
     flat, rows = load_lengths_file(sim.length_file) if sim.length_file else ([], {})
     return LengthModel(sim.length_family, sim.length_median, sim.length_sigma, sim.group_correlation, sim.seed,
-                       histogram=flat, rows=rows)
+                       histogram=flat, rows=rows, alpha=sim.length_alpha)
 
 
 def gpu_setting(cfg: Config, sim: SimulateConfig, gpus: int) -> Setting:
@@ -144,7 +144,7 @@ def assumptions(cfg: Config, sim: SimulateConfig, setting: Setting) -> dict:
                       "flops_efficiency": sim.flops_efficiency, "memory_fraction (engine.mem_fraction)": cfg.engine.mem_fraction,
                       "tensor_parallel": "weights, KV, bandwidth and FLOP/s split evenly; all-reduces not modelled"},
         "responses": {"family": sim.length_family, "median": sim.length_median, "sigma": sim.length_sigma,
-                      "file": sim.length_file, "group_correlation": sim.group_correlation,
+                      "alpha": sim.length_alpha, "file": sim.length_file, "group_correlation": sim.group_correlation,
                       "max_response_len": cfg.sampling.max_response_len, "prompt_len": sim.prompt_len,
                       "mean_drawn_tokens_uncapped": wl.lengths.mean() if wl.lengths.family != "task" else None,
                       "token_block": wl.block,

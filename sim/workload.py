@@ -8,8 +8,9 @@ prompt's row in the dataset (the workload's `encode` puts it there) and whose id
 Lengths of the samples of one prompt are correlated: a normal score `z = sqrt(rho) z_prompt +
 sqrt(1 - rho) z_sample` is mapped through the distribution's quantile function (rho =
 `group_correlation`; hard prompts give long answers to every sample). Families: `lognormal` (median,
-sigma), `histogram` (a JSON file of measured lengths: a flat list, or per-prompt rows), `task` (the
-same file's per-prompt rows, matched to the prompts of the real dataset by row; for the calibration).
+sigma), `pareto` (median as the scale x_m, alpha; as the countdown task's `task.length`), `histogram` (a
+JSON file of measured lengths: a flat list, or per-prompt rows), `task` (the same file's per-prompt rows,
+matched to the prompts of the real dataset by row; for the calibration).
 
 Rewards are not simulated either. A finished sample gets reward 1 if it is its group's sample 0, else
 0, so no group has uniform rewards and DAPO's dynamic filter keeps every group, except the
@@ -53,16 +54,17 @@ class LengthModel:
 
     def __init__(self, family: str, median: float, sigma: float, rho: float, seed: int,
                  histogram: list[int] | None = None, rows: dict[int, list[int]] | None = None,
-                 by_sample: dict[str, int] | None = None):
+                 by_sample: dict[str, int] | None = None, alpha: float = 1.2):
         """`by_sample`: lengths of particular samples by id, taken before any draw (a calibration replays
         the lengths a benchmark's samples really had)."""
-        if family not in ("lognormal", "histogram", "task"):
-            raise ValueError(f"response length family {family!r}: expected lognormal, histogram or task")
+        if family not in ("lognormal", "pareto", "histogram", "task"):
+            raise ValueError(f"response length family {family!r}: expected lognormal, pareto, histogram or task")
         if family == "histogram" and not histogram:
             raise ValueError("response length family histogram: no lengths given")
         if family == "task" and not rows:
             raise ValueError("response length family task: no per-prompt lengths given")
         self.family, self.median, self.sigma, self.rho, self.seed = family, median, sigma, rho, seed
+        self.alpha = alpha
         self._shared, self._own = math.sqrt(rho), math.sqrt(1 - rho)
         self.sorted = sorted(histogram or [])
         self.rows = rows or {}
@@ -78,6 +80,8 @@ class LengthModel:
         z = self._shared * self._prompt_score(row) + self._own * _normal(self.seed, "sample", sample_key)
         if self.family == "lognormal":
             return max(1, int(round(self.median * math.exp(self.sigma * z))))
+        if self.family == "pareto":  # Pareto(x_m, alpha)'s quantile, from the upper tail (exact far out)
+            return max(1, int(round(self.median * _NORMAL.cdf(-z) ** (-1.0 / self.alpha))))
         return self.sorted[min(len(self.sorted) - 1, int(_NORMAL.cdf(z) * len(self.sorted)))]
 
     @functools.lru_cache(maxsize=1 << 16)
