@@ -9,7 +9,7 @@ from ray.exceptions import OutOfMemoryError, RayActorError
 
 from actors.metrics import MonitorMetrics
 from actors.refs import SampleRef, as_handles
-from april_ray.config import RolloutConfig
+from april_ray.config import RolloutConfig, StalenessConfig
 from april_ray.engine.base import EngineFailure
 from april_ray.rollout.monitor import CompletionMonitor
 
@@ -54,11 +54,11 @@ class RayEnginePool:
 
 @ray.remote(num_cpus=0)
 class CompletionMonitorActor:
-    def __init__(self, cfg: RolloutConfig, engines, capacities: list[int], source, store,
+    def __init__(self, cfg: RolloutConfig, staleness: StalenessConfig, engines, capacities: list[int], source, store,
                  reward_per_group: bool = False):
         """`reward_per_group`: task.reward_per_group (each engine call takes its group's finished samples)."""
         pool = RayEnginePool(engines, capacities, reward_per_group)
-        self.monitor = CompletionMonitor(cfg, pool, RayProxy(source), RayProxy(store))
+        self.monitor = CompletionMonitor(cfg, pool, RayProxy(source), RayProxy(store), staleness)
         self.metrics = MonitorMetrics(cfg, len(engines))
 
     async def step(self, step: int, version: int):
@@ -75,12 +75,15 @@ class CompletionMonitorActor:
     async def counters(self) -> dict:
         self.metrics.engines_seen(self.monitor.alive)
         return {"returned_groups": self.monitor.num_returned_groups,
-                "dropped_groups": self.monitor.num_dropped_groups, "alive_engines": self.monitor.alive}
+                "dropped_groups": self.monitor.num_dropped_groups, "alive_engines": self.monitor.alive,
+                "over_sampling": self.monitor.over_sampling.state_dict()}
 
     async def restore_counters(self, counters: dict) -> None:
         """With the store restored beside it: what the monitor kept of the stored samples (their handles
         and metas, by sample id) is of samples no longer there, and the source may hand the ids out again."""
         self.monitor.num_returned_groups = counters["returned_groups"]
         self.monitor.num_dropped_groups = counters["dropped_groups"]
+        if counters.get("over_sampling"):  # the auto N' goes on from where it was (absent before it existed)
+            self.monitor.over_sampling.load_state_dict(counters["over_sampling"])
         self.monitor.finished_handles.clear()
         self.monitor.finished_metas.clear()

@@ -217,8 +217,13 @@ class RolloutConfig:
 
     rollout_batch_size: int = positive(16)
     """N: complete groups per step (what the learner trains on)."""
-    over_sampling_batch_size: int = positive(32)
-    """N': groups kept in flight until N are complete (april and oversample; sync uses N). At least N."""
+    over_sampling_batch_size: int | str = _rule(32, "an integer >= rollout_batch_size, or auto",
+                                                lambda v: v == "auto" or (isinstance(v, int) and v > 0))
+    """N': groups kept in flight until N are complete (april and oversample; sync uses N). At least N.
+    auto (april only): chosen at every step from how full the engines' slots were and how much of the batch
+    was masked as stale (april_ray/rollout/over_sampling.py), within [N, over_sampling_max_factor x N]."""
+    over_sampling_max_factor: float = _rule(4.0, ">= 1", lambda v: v >= 1)
+    """auto: the largest N'/N it may choose."""
     n_samples_per_prompt: int = positive(8)
     schedule: str = one_of("april", "april", "sync", "oversample")
     """april: over-provision N' groups, interrupt once N are complete, recycle the unfinished ones next step.
@@ -241,11 +246,6 @@ class RolloutConfig:
     (april_ray/rollout/episode.py); it must be importable on every node. Empty: one engine call per sample."""
     tool_timeout_s: float = positive(60.0)
     """An episode's async tool call running longer fails (the episode scores 0, counted with the reward errors)."""
-
-    @property
-    def over_sampling_factor(self) -> float:
-        """N'/N."""
-        return self.over_sampling_batch_size / self.rollout_batch_size
 
 
 def over_sampling_batch_size(factor: float, rollout_batch_size: int) -> int:
@@ -487,7 +487,10 @@ def _check_across(cfg: Config) -> None:
         raise ConfigError("learner.num_ranks: colocation puts each rank in an engine's bundle; "
                           "needs learner.num_ranks <= engine.num_engines")
     r = cfg.rollout
-    if r.over_sampling_batch_size < r.rollout_batch_size:
+    if r.over_sampling_batch_size == "auto" and r.schedule == "oversample":
+        raise ConfigError("rollout.over_sampling_batch_size: auto adapts APRIL's N' (rollout.schedule=april); "
+                          "the oversample baseline takes an integer")
+    if r.over_sampling_batch_size != "auto" and r.over_sampling_batch_size < r.rollout_batch_size:
         raise ConfigError(f"rollout.over_sampling_batch_size: must be >= rollout.rollout_batch_size "
                           f"({r.over_sampling_batch_size} < {r.rollout_batch_size})")
     if cfg.sampling.max_response_len >= cfg.engine.max_model_len:
@@ -507,7 +510,8 @@ def validate(cfg: Config) -> Config:
 
 
 RETIRED = {"rollout.partial_rollout": "rollout.schedule (april | sync | oversample)",
-           "rollout.discard_unfinished": "rollout.schedule=oversample"}
+           "rollout.discard_unfinished": "rollout.schedule=oversample",
+           "rollout.over_sampling": "rollout.over_sampling_batch_size (an integer N', or auto)"}
 """Keys that no longer exist -> what replaced them."""
 
 

@@ -30,8 +30,8 @@ class RolloutGroup:
                                           cfg.task.overlong_prompts, task=cfg.task)
         ray.get(source.num_groups_taken.remote())  # a bad dataset row stops the job here, named by file and line
         store = StoreActor.remote(cfg.staleness)
-        monitor = CompletionMonitorActor.remote(cfg.rollout, engines.actors, engines.capacities, source, store,
-                                                 reward_per_group=cfg.task.reward_per_group)
+        monitor = CompletionMonitorActor.remote(cfg.rollout, cfg.staleness, engines.actors, engines.capacities, source,
+                                                 store, reward_per_group=cfg.task.reward_per_group)
         return cls(source, store, monitor, engines)
 
     def step(self, step: int, version: int, poll_s: float = 1.0):

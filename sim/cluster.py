@@ -94,7 +94,8 @@ class Schedule:
                                    setting.seed)
         self.store = PartialRolloutStore(max_versions=setting.staleness.max_versions, policy=setting.staleness.policy)
         self.pool = LocalPool(workers, [setting.max_num_seqs] * setting.num_engines)
-        self.monitor = CompletionMonitor(rollout, self.pool, LocalProxy(self.source), LocalProxy(self.store))
+        self.monitor = CompletionMonitor(rollout, self.pool, LocalProxy(self.source), LocalProxy(self.store),
+                                         setting.staleness)
         self.records: list[StepRecord] = []
         self.base = [self._counters(e) for e in self.engines]
         """Engine counters when the measured steps began (`run` resets it after the warm-up)."""

@@ -98,5 +98,5 @@ def make_rollout_parts(cfg, num_examples=500, seed=0, num_engines=2, cap=16, tic
     source = PromptSource(length_examples(num_examples, seed), lambda text: [int(text)],
                           cfg.rollout.n_samples_per_prompt, cfg.sampling.max_response_len, seed)
     store = PartialRolloutStore(max_versions=cfg.staleness.max_versions, policy=cfg.staleness.policy)
-    rollout = CompletionMonitor(cfg.rollout, pool, LocalProxy(source), LocalProxy(store))
+    rollout = CompletionMonitor(cfg.rollout, pool, LocalProxy(source), LocalProxy(store), cfg.staleness)
     return rollout, pool, source, store, engines

@@ -30,7 +30,8 @@ def save_policy(path):
 
 
 def checkpoint_of(out, step, source, store, monitor, version=None):
-    counters = {"returned_groups": monitor.num_returned_groups, "dropped_groups": monitor.num_dropped_groups}
+    counters = {"returned_groups": monitor.num_returned_groups, "dropped_groups": monitor.num_dropped_groups,
+                "over_sampling": monitor.over_sampling.state_dict()}
     state = rollout_state(step, step + 1 if version is None else version, source.state_dict(), store.state_dict(),
                           counters)
     return write_checkpoint(out, state, save_policy)

@@ -34,7 +34,7 @@ def save_policy(path):
 
 
 def checkpoint(out: Path, step: int) -> Path:
-    state = rollout_state(step, step + 1, {}, {}, {"returned_groups": 0, "dropped_groups": 0})
+    state = rollout_state(step, step + 1, {}, {}, {"returned_groups": 0, "dropped_groups": 0, "over_sampling": {}})
     return write_checkpoint(out, state, save_policy)
 
 

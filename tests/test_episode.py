@@ -260,7 +260,8 @@ def test_april_steps_of_episodes_resume_them_at_their_turn_and_lose_nothing(tool
     source = PromptSource([Example(i, r["prompt"], r["answer"]) for i, r in enumerate(rows)], TOK.encode, 2, 512,
                           seed=0)
     store = PartialRolloutStore(max_versions=100)
-    monitor = CompletionMonitor(c.rollout, LocalPool(list(workers), [16, 16]), LocalProxy(source), LocalProxy(store))
+    monitor = CompletionMonitor(c.rollout, LocalPool(list(workers), [16, 16]), LocalProxy(source), LocalProxy(store),
+                                c.staleness)
 
     async def run():
         out = []

@@ -28,9 +28,10 @@ import uuid
 from dataclasses import replace
 from typing import Any, Awaitable, Protocol
 
-from april_ray.config import RolloutConfig
+from april_ray.config import RolloutConfig, StalenessConfig
 from april_ray.engine.base import EngineFailure
 from april_ray.rollout.engine_worker import sample_meta
+from april_ray.rollout.over_sampling import build_over_sampling
 from april_ray.rollout.step_state import Call, EngineLoads, Flight, StepState
 from april_ray.types import Group, SampleMeta, SampleState, StepResult
 
@@ -61,9 +62,13 @@ def filter_reason(metas: list[SampleMeta]) -> str | None:
 
 
 class CompletionMonitor:
-    def __init__(self, cfg: RolloutConfig, pool: EnginePool, source, store):
-        """`source` and `store` are async proxies: each method call returns an awaitable."""
+    def __init__(self, cfg: RolloutConfig, pool: EnginePool, source, store, staleness: StalenessConfig):
+        """`source` and `store` are async proxies: each method call returns an awaitable. `staleness` says
+        which of a batch's tokens the learner masks (what the auto N' observes, with the engines' occupancy)."""
         self.cfg = cfg
+        self.staleness = staleness
+        self.over_sampling = build_over_sampling(cfg)
+        """N': fixed, or adapted at the end of every step (april_ray/rollout/over_sampling.py)."""
         self.pool = pool
         self.source = source
         self.store = store
@@ -155,9 +160,9 @@ class CompletionMonitor:
         if len(s.completed) >= n:
             return 0
         if self.cfg.schedule == "april":
-            return self.cfg.over_sampling_batch_size - s.num_incomplete
+            return self.over_sampling.batch_size - s.num_incomplete
         if self.cfg.schedule == "oversample" and not s.num_fresh + s.num_resumed:  # the step's start: over-provision
-            return self.cfg.over_sampling_batch_size - len(s.completed) - s.num_incomplete
+            return self.over_sampling.batch_size - len(s.completed) - s.num_incomplete
         return n - len(s.completed) - s.num_incomplete  # sync: only refill what the filter dropped
 
     async def _top_up(self, s: StepState) -> str | None:
@@ -298,7 +303,10 @@ class CompletionMonitor:
         self.num_dropped_groups += len(s.dropped) + len(discarded)
         metas = [list(s.flights[g].metas) for g in batch]
         staleness = batch_staleness(metas, s.version)
-        metrics = self._metrics(s, metas, staleness, wall=self.clock() - t0, store_s=self.clock() - t_store)
+        wall = self.clock() - t0
+        metrics = self._metrics(s, metas, staleness, wall=wall, store_s=self.clock() - t_store)
+        metrics |= self._over_sampling_metrics(s, staleness, wall)
+        self.over_sampling.observe(metrics["rollout/occupancy"], metrics["rollout/masked_token_ratio"])
         metrics |= {"rollout/groups_surplus": len(surplus) if keep else 0, "rollout/groups_partial": len(partial),
                     "rollout/groups_discarded": len(discarded),
                     "rollout/discarded_tokens": sum(m.response_len for g in discarded for m in s.flights[g].metas if m)}
@@ -336,6 +344,16 @@ class CompletionMonitor:
             "rollout/reward_mean": sum(m.reward for ms in metas for m in ms) / num_samples,
             "rollout/response_len_mean": trained / num_samples,
         }
+
+    def _over_sampling_metrics(self, s: StepState, staleness: dict[int, int], wall: float) -> dict[str, float]:
+        """The step's N'/N and what the auto N' observes: the samples held in engine calls (running, queued
+        at an engine, or finished and waiting for the call's other samples) averaged over the step, per slot
+        of the live engines; and the share of the batch's tokens the learner masks as stale."""
+        slots = sum(c for c, ok in zip(self.pool.capacities, self.alive) if ok)
+        masked = sum(c for age, c in staleness.items() if not self.staleness.trains(age))
+        return {"rollout/over_sampling_factor": self.over_sampling.factor,
+                "rollout/occupancy": s.sample_seconds / wall / slots if wall > 0 and slots else 0.0,
+                "rollout/masked_token_ratio": masked / max(1, sum(staleness.values()))}
 
     async def _fail(self, s: StepState, message: str) -> None:
         """Stop the step without losing a sample: abort and drain, store everything, then raise."""

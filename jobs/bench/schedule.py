@@ -78,7 +78,7 @@ class LocalMode:
                                    cfg.task.seed)
         self.store = PartialRolloutStore(max_versions=cfg.staleness.max_versions, policy=cfg.staleness.policy)
         self.rollout = CompletionMonitor(r, LocalPool([self.worker], [cfg.engine.max_num_seqs]),
-                                         LocalProxy(self.source), LocalProxy(self.store))
+                                         LocalProxy(self.source), LocalProxy(self.store), cfg.staleness)
         self.log = StepLog(r.n_samples_per_prompt)
         self.cpu_s = 0.0
         """The process's CPU over the measured steps: everything (engine, worker, monitor) is on this thread."""
