@@ -86,7 +86,9 @@ def parse() -> tuple:
     if args.print_config:
         print(to_yaml(cfg))
         raise SystemExit(0)
-    default = cfg.rollout.over_sampling_batch_size / cfg.rollout.rollout_batch_size
+    if cfg.rollout.over_sampling_batch_size == "auto" and not args.factors:
+        parser.error("rollout.over_sampling_batch_size=auto: give --factors (the study compares fixed N'/N)")
+    default = None if args.factors else cfg.rollout.over_sampling_batch_size / cfg.rollout.rollout_batch_size
     args.factors = number_list(parser, "--factors", args.factors, float, lambda f: 1 <= f < float("inf"),
                                "N'/N of at least 1") if args.factors else [default]
     return cfg, sim, args

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.bench.train import accuracy_at, report, reused_runs, time_to
+from april_ray.config import load_config
+from jobs.bench.train import accuracy_at, configured_factor, mode_configs, report, reused_runs, time_to
 from tests.conftest import USER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +43,16 @@ def test_report_by_hand():
     assert r["april"]["off_policy_token_ratio"]["median"] == pytest.approx(0.3)
     assert r["april"]["staleness_hist"]["1"] == pytest.approx(0.3)
     assert time_to([(0, 0.1), (5, 0.2)], 0.3) is None and accuracy_at([(0, 0.1), (5, 0.2)], 4.9) == 0.1
+
+
+def test_factors_name_their_modes_and_auto_is_one_of_them():
+    cfg = load_config(None, ["rollout.rollout_batch_size=16", "rollout.over_sampling_batch_size=24"])
+    modes = mode_configs(cfg, [1.5, 2, "auto"])
+    assert list(modes) == ["sync", "april", "april_2", "april_auto"]  # 1.5 is `april` as configured
+    assert modes["april_auto"].rollout.over_sampling_batch_size == "auto"
+    assert configured_factor(cfg, [1.5, "auto"]) == "april_1.5"
+    auto = load_config(None, ["rollout.over_sampling_batch_size=auto"])
+    assert configured_factor(auto, [1.5, "auto"]) == "april_auto" and "april_auto" not in mode_configs(auto, ["auto"])
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """The schedules alone: the synchronous baseline vs APRIL on one engine in this process, without Ray.
 
-    python -m jobs.bench.schedule --json PATH [--steps 30] [--factors 1,1.5,2,3] [--oversample] [--config YAML]
+    python -m jobs.bench.schedule --json PATH [--steps 30] [--factors 1,1.5,2,3,auto] [--oversample] [--config YAML]
         [key=value ...]
 
 The same logic as the Ray run (`CompletionMonitor`; `PromptSource`;
@@ -13,8 +13,11 @@ cores the control plane takes.
 
 `--oversample` adds the over-provisioned baseline at each N'/N (`rollout.schedule=oversample`: N' groups start
 each step, the unfinished ones are discarded at the N-th complete group; slime's rollout without partial
-rollout). Every mode has its own engine (same weights and seed), source (same seed, so the same prompts) and store;
-the modes run interleaved step by step, one at a time, so the machine's drift falls on all alike. Before
+rollout). `auto` in `--factors` is APRIL with `rollout.over_sampling_batch_size=auto` (mode `april_auto`, no
+oversample twin): every mode reports the N'/N it used (`over_sampling_factor`: mean and last over the
+measured steps) and the share of its tokens the learner would mask as stale. Every mode has its own engine
+(same weights and seed), source (same seed, so the same prompts) and store; the modes run interleaved step
+by step, one at a time, so the machine's drift falls on all alike. Before
 each round the weights are published again under the next policy version. The ceiling is bench_rollout's
 probe (`EngineWorker.throughput_probe`: every slot busy with the training prompts the schedules start
 with, each finished request replaced at once) on an engine of its own, before, every `--probe-every`
@@ -57,13 +60,16 @@ from driver.setup import JobInputs, prepare
 from sim.calibrate import FEATURES, StepRecorder, fit_by_gap, fit_costs
 
 
-def per_engine(cfg: Config, factor: float | None) -> tuple[int, int]:
-    """(N, N') for one engine: the Ray run's N / E, and N' = factor x that (the config's N' / E if None)."""
+def per_engine(cfg: Config, factor: float | str | None) -> tuple[int, int | str]:
+    """(N, N') for one engine: the Ray run's N / E, and N' = factor x that (the config's N' / E if None;
+    auto stays auto)."""
     r, e = cfg.rollout, cfg.engine.num_engines
     if r.rollout_batch_size % e:
         raise ConfigError(f"rollout.rollout_batch_size={r.rollout_batch_size} does not split over "
                           f"engine.num_engines={e} engines")
     n = r.rollout_batch_size // e
+    if factor == "auto" or (factor is None and r.over_sampling_batch_size == "auto"):
+        return n, "auto"
     return n, over_sampling_batch_size(factor, n) if factor is not None else max(n, r.over_sampling_batch_size // e)
 
 
@@ -124,17 +130,18 @@ async def run(cfg: Config, args, job: JobInputs) -> dict:
     train = read_examples(job.train_path, cfg.task.prompt_key, cfg.task.answer_key)
     probe_prompts = first_prompts(train, tok.encode, cfg.task.seed, 512)
     n, _ = per_engine(cfg, None)
-    factors = [float(f) for f in args.factors.split(",")]
+    factors = [f if f == "auto" else float(f) for f in args.factors.split(",")]
     modes = [LocalMode("sync", with_rollout(cfg, schedule="sync", rollout_batch_size=n,
                                             over_sampling_batch_size=n), model_path, train, tok.encode)]
     for f in factors:
         _, n_prime = per_engine(cfg, f)
-        modes.append(LocalMode(f"april_{f:g}", with_rollout(cfg, schedule="april", rollout_batch_size=n,
-                                                            over_sampling_batch_size=n_prime),
+        label = f if f == "auto" else f"{f:g}"
+        modes.append(LocalMode(f"april_{label}", with_rollout(cfg, schedule="april", rollout_batch_size=n,
+                                                              over_sampling_batch_size=n_prime),
                                model_path, train, tok.encode))
-        if args.oversample:  # the over-provisioned baseline at the same N'
-            modes.append(LocalMode(f"oversample_{f:g}", with_rollout(cfg, schedule="oversample",
-                                                                     rollout_batch_size=n, over_sampling_batch_size=n_prime),
+        if args.oversample and f != "auto":  # the over-provisioned baseline at the same (fixed) N'
+            modes.append(LocalMode(f"oversample_{label}", with_rollout(cfg, schedule="oversample",
+                                                                       rollout_batch_size=n, over_sampling_batch_size=n_prime),
                                    model_path, train, tok.encode))
     prober = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
     probe_recorder = StepRecorder(prober.engine.engine)
@@ -197,7 +204,8 @@ def main() -> None:
         p.add_argument("--json", required=True)
         p.add_argument("--steps", type=int, default=20)
         p.add_argument("--warmup-steps", type=int, default=2)
-        p.add_argument("--factors", default="1.5", help="APRIL's N'/N, comma-separated: one mode each")
+        p.add_argument("--factors", default="1.5",
+                       help="APRIL's N'/N, comma-separated: one mode each; auto adapts it (april_auto)")
         p.add_argument("--oversample", action="store_true",
                        help="also the over-provisioned baseline (rollout.schedule=oversample) at each N'/N")
         p.add_argument("--probe-every", type=int, default=1, help="measure the ceiling every this many rounds")

@@ -166,6 +166,8 @@ def main() -> None:
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
     cfg, sim = study_inputs(parser, args)
+    if cfg.rollout.over_sampling_batch_size == "auto":
+        parser.error("rollout.over_sampling_batch_size=auto: this bench simulates a fixed N'; give an integer")
     factor = cfg.rollout.over_sampling_batch_size / cfg.rollout.rollout_batch_size
     t0 = time.time()
     rows = []

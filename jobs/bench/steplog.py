@@ -35,12 +35,16 @@ class StepLog:
         rows, wall, c = self.rows, self.wall, self.counters
         trained = sum(r["rollout/trained_tokens"] for r in rows)
         off = sum(r["rollout/off_policy_token_ratio"] * r["rollout/trained_tokens"] for r in rows)
+        masked = sum(r["rollout/masked_token_ratio"] * r["rollout/trained_tokens"] for r in rows)
+        factors = [r["rollout/over_sampling_factor"] for r in rows]
         return {
             "effective_tok_s": trained / wall,
             "generated_tok_s": sum(r["rollout/generated_tokens"] for r in rows) / wall,
             "abort_latency_ms_p99": float(np.percentile(self.latencies, 99) * 1000),
             "abort_latency_ms_p50": float(np.percentile(self.latencies, 50) * 1000),
             "off_policy_token_ratio": off / max(1, trained),
+            "masked_token_ratio": masked / max(1, trained),
+            "over_sampling_factor": {"mean": float(np.mean(factors)), "last": factors[-1]},
             "max_staleness": max(r["rollout/staleness_max"] for r in rows),
             "store_groups_mean": float(np.mean([r["store_groups"] for r in rows])),
             "running_rows_mean": float(np.mean([n for step in self.occupancy for eng in step for _, n in eng] or [0])),

@@ -1,6 +1,6 @@
 """Training benchmark: the synchronous baseline and APRIL (at one or several N'/N) over several seeds.
 
-    python -m jobs.bench.train --config configs/tiny_cpu.yaml --seeds K --json PATH [--factors 1,1.5,2,3]
+    python -m jobs.bench.train --config configs/tiny_cpu.yaml --seeds K --json PATH [--factors 1,1.5,2,3,auto]
         [--target ACC | --gain G] [--budgets S1,S2,...] [--first-seed S] [--reuse EARLIER_JSON] [key=value ...]
 
 For each seed the modes' jobs run one after the other (round-robin by seed: sync, APRIL, APRIL at each
@@ -9,7 +9,9 @@ factor, then the next seed), so a machine whose load drifts slows every mode ali
 Times are training wall time (rollout + learner + weight sync; evaluation excluded). Per mode it reports
 the median and range over seeds of: time to the target accuracy (a seed that never reaches it counts its
 whole wall), held-out accuracy at wall-clock budgets and at each evaluated step, final accuracy (sampled
-and greedy), the off-policy token ratio, staleness (mean, max, histogram) and the step's phase times.
+and greedy), the off-policy token ratio, the share of tokens masked as stale, staleness (mean, max,
+histogram), the step's phase times and the N'/N used (`--factors auto`: the adaptive N', mode
+`april_auto`; each run's mean and last factor are in its record).
 The target defaults to the mean accuracy before training plus `--gain`; `eval_standard_error` is one
 evaluation's sampling noise at that accuracy, sqrt(p (1 - p) / task.num_eval).
 
@@ -46,23 +48,32 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def mode_configs(cfg, factors: list[float]) -> dict[str, object]:
-    """sync (N' = N, no partial rollouts), APRIL as configured, and APRIL at N' = factor x N per factor."""
+def n_prime(factor: float | str, n: int) -> int | str:
+    """N' for an N'/N factor (auto stays auto)."""
+    return factor if factor == "auto" else over_sampling_batch_size(factor, n)
+
+
+def mode_name(factor: float | str) -> str:
+    return f"april_{factor}" if factor == "auto" else f"april_{factor:g}"
+
+
+def mode_configs(cfg, factors: list[float | str]) -> dict[str, object]:
+    """sync (N' = N, no partial rollouts), APRIL as configured, and APRIL at N' = factor x N per factor
+    (auto: the adaptive N')."""
     n = cfg.rollout.rollout_batch_size
 
     modes = {"sync": with_rollout(cfg, schedule="sync", over_sampling_batch_size=n),
              "april": with_rollout(cfg, schedule="april")}
     for f in factors:
-        if over_sampling_batch_size(f, n) != cfg.rollout.over_sampling_batch_size:  # else it is `april`'s run
-            modes[f"april_{f:g}"] = with_rollout(cfg, schedule="april", over_sampling_batch_size=over_sampling_batch_size(f, n))
+        if n_prime(f, n) != cfg.rollout.over_sampling_batch_size:  # else it is `april`'s run
+            modes[mode_name(f)] = with_rollout(cfg, schedule="april", over_sampling_batch_size=n_prime(f, n))
     return modes
 
 
-def configured_factor(cfg, factors: list[float]) -> str | None:
+def configured_factor(cfg, factors: list[float | str]) -> str | None:
     """The `april_<factor>` key that names APRIL as configured, when --factors lists its N'/N."""
     n = cfg.rollout.rollout_batch_size
-    return next((f"april_{f:g}" for f in factors if over_sampling_batch_size(f, n) == cfg.rollout.over_sampling_batch_size),
-                None)
+    return next((mode_name(f) for f in factors if n_prime(f, n) == cfg.rollout.over_sampling_batch_size), None)
 
 
 def seeded(cfg, mode: str, seed: int, base: Path):
@@ -118,6 +129,9 @@ def run_record(summary: dict, eval_every: int) -> dict:
             "greedy_history": evals, "off_policy_token_ratio": mean("rollout/off_policy_token_ratio"),
             "staleness_mean": mean("rollout/staleness_mean"),
             "staleness_max": max((r.get("rollout/staleness_max", 0) for r in steps), default=0),
+            "masked_token_ratio": mean("rollout/masked_token_ratio"),
+            "over_sampling_factor": {"mean": mean("rollout/over_sampling_factor"),
+                                     "last": steps[-1].get("rollout/over_sampling_factor", 0.0) if steps else 0.0},
             "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
             "phase_s_per_step": {k: mean(f"time/{k}") for k in ("rollout_s", "learner_s", "weight_sync_s")}}
 
@@ -148,6 +162,8 @@ def summarize(runs: dict[str, list[dict]], target: float, budgets: list[float]) 
             "off_policy_token_ratio": spread([r["off_policy_token_ratio"] for r in recs]),
             "staleness_mean": spread([r["staleness_mean"] for r in recs]),
             "staleness_max": max(r["staleness_max"] for r in recs),
+            "masked_token_ratio": spread([r.get("masked_token_ratio", 0.0) for r in recs]),
+            "over_sampling_factor_mean": spread([r.get("over_sampling_factor", {}).get("mean", 0.0) for r in recs]),
             "staleness_hist": {age: statistics.mean(r["staleness_hist"].get(age, 0.0) for r in recs)
                                for age in sorted({a for r in recs for a in r["staleness_hist"]}, key=int)},
             "runs": recs,
@@ -185,7 +201,7 @@ def main() -> None:
         p.add_argument("--json", required=True)
         p.add_argument("--seeds", type=int, default=3, help="K seeds from --first-seed, each runs every mode")
         p.add_argument("--first-seed", type=int, default=0, help="to add seeds to an earlier run's")
-        p.add_argument("--factors", default="", help="also APRIL at these N'/N, e.g. 1,1.5,2,3")
+        p.add_argument("--factors", default="", help="also APRIL at these N'/N, e.g. 1,1.5,2,3,auto")
         p.add_argument("--target", type=float, default=None, help="held-out accuracy to reach")
         p.add_argument("--gain", type=float, default=0.05, help="target = mean accuracy before + gain")
         p.add_argument("--budgets", default="", help="wall-clock budgets (s); default: quarters of sync's wall")
@@ -193,7 +209,7 @@ def main() -> None:
 
     cfg, args = parse(__doc__, extra)
     init_ray(plan(cfg))
-    factors = [float(f) for f in args.factors.split(",") if f]
+    factors = [f if f == "auto" else float(f) for f in args.factors.split(",") if f]
     modes = mode_configs(cfg, factors)
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     reused = reused_runs(args.reuse, bench_config(cfg)) if args.reuse else {}
