@@ -146,7 +146,8 @@ def save_checkpoint(out_dir: Path, step: int, version: int, learners, rollout) -
 def rollout_state(step: int, version: int, source: dict, store: dict, monitor: dict) -> dict:
     return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "step": step, "version": version,
             "source": source, "store": store,
-            "monitor": {k: monitor[k] for k in ("returned_groups", "dropped_groups", "over_sampling")}}
+            "monitor": {k: monitor[k] for k in ("returned_groups", "dropped_groups", "over_sampling", "reward_per_group")
+                        if k in monitor}}
 
 
 def write_checkpoint(out_dir: Path, state: dict, save_policy) -> Path:

@@ -125,6 +125,12 @@ def test_checkpoint_store_and_cursor_mid_run_restores_without_loss(local_ray, tm
     state = ray.get(fresh.store.state_dict.remote())
     still = {g["group_id"] for g in state["partial"] + state["complete"]}  # a surplus of the last step waits too
     assert waiting <= set(after) | still  # every stored prompt came back or still waits; none skipped
+    # groups stored unscored one way cannot be resumed scored the other way (task.reward_per_group)
+    from actors.monitor import CompletionMonitorActor
+    other = CompletionMonitorActor.remote(cfg.rollout, cfg.staleness, engines.actors, engines.capacities,
+                                          fresh.source, fresh.store, reward_per_group=True)
+    with pytest.raises(ray.exceptions.RayTaskError, match="task.reward_per_group=true, but the checkpoint"):
+        ray.get(other.restore_counters.remote(saved[2]))
 
 
 def partial_groups(store) -> list:
