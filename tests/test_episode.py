@@ -89,9 +89,9 @@ def test_an_episode_runs_its_turns_and_masks_the_environment(tool_log):
     assert s.state == SampleState.FINISHED and s.reward == 1.0
     assert TOK.decode(s.response_ids, skip_special_tokens=True) == right_response("ab,qd,zz-2:")
     env = [t for t, m in zip(s.response_ids, s.loss_mask) if not m]
-    assert TOK.decode(env) == "".join(f"{k}={lookup_countdown.value_of(k):04d}" for k in ("ab", "qd", "zz"))
+    assert TOK.decode(env) == "".join(lookup_countdown.answer(k, lookup_countdown.value_of(k), 2) for k in ("ab", "qd", "zz"))
     assert all(v == -1 and lp == 0.0 for v, lp, m in zip(s.versions, s.logprobs, s.loss_mask) if not m)
-    assert meta.num_env_tokens == len(env) == 21 and meta.response_len == len(s.response_ids) - 21
+    assert meta.num_env_tokens == len(env) == 30 and meta.response_len == len(s.response_ids) - 30
     assert s.episode["turn"] == 4 and len(engine.requests) == 4  # three tool calls and the last turn
     assert [(c["turn"], c["key"]) for c in tool_calls(tool_log)] == [(1, "ab"), (2, "qd"), (3, "zz")]
 
@@ -101,7 +101,7 @@ def test_the_budget_counts_model_tokens_only(tool_log):
     n_model = sum(len(TOK.encode(t)) for t, m in lookup_countdown.segments(prompt) if m)
     _, worker = make_worker()
     [_], [s] = asyncio.run(worker.generate_group([fresh(prompt, budget=n_model + 1)], ("run", 0)))
-    assert s.reward == 1.0 and s.num_model_tokens == n_model + 1  # + EOS: the tool's 21 tokens are free
+    assert s.reward == 1.0 and s.num_model_tokens == n_model + 1  # + EOS: the tool's 30 tokens are free
     _, worker = make_worker()
     [_], [short] = asyncio.run(worker.generate_group([fresh(prompt, budget=n_model - 3)], ("run", 0)))
     assert short.state == SampleState.FINISHED and short.reward == 0.0 and short.num_model_tokens == n_model - 3
@@ -153,7 +153,7 @@ def test_a_tool_call_in_flight_when_the_step_ends_finishes_first_and_is_kept(too
             if not text.endswith("?"):
                 return None
             value = await ep.call_tool("lookup", slow_lookup, ep.sample.sample_id, ep.turn, "ab")
-            ep.append_env(f"ab={value:04d}")
+            ep.append_env(lookup_countdown.answer("ab", value, 1))
 
     engine, worker = make_worker()
     worker.episode_fn = episode
@@ -168,7 +168,7 @@ def test_a_tool_call_in_flight_when_the_step_ends_finishes_first_and_is_kept(too
 
     [_], [part] = asyncio.run(abort_during_tool())
     assert part.state == SampleState.PARTIAL
-    assert TOK.decode(part.response_ids) == f" ?ab={lookup_countdown.value_of('ab'):04d}"  # the answer is kept
+    assert TOK.decode(part.response_ids) == " ?" + lookup_countdown.answer("ab", lookup_countdown.value_of("ab"), 1)  # the answer is kept
     assert len(engine.requests) == 1  # the closed step sent no new turn to the engine
     [_], [done] = asyncio.run(worker.generate_group([part], ("run", 2)))
     assert done.reward == 1.0 and calls == ["ab"]

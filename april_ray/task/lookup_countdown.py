@@ -1,11 +1,14 @@
 """The embedded agent task: countdown from numbers the model must look up with a tool.
 
-A prompt `ab,qd-3:` names keys. For each key in turn the model calls the tool (` ?`: `?` ends its turn),
-the environment answers with the next key and its value (`ab=0012`, environment tokens: context, not
-trained), and the model counts down from it in steps of 3 (` 0009 0006 0003 0000`); once every key of the
-prompt was looked up, EOS:
+A prompt `ab,qd-3:` names keys and a step. For each key in turn the model calls the tool (` ?`: `?` ends
+its turn), the environment answers with the next key, its value and the step to count down by (`ab=0012-3:`,
+environment tokens: context, not trained), and the model counts down from it (` 0009 0006 0003 0000`);
+once every key of the prompt was looked up, EOS. A call past the last key ends the episode (unrewarded):
 
-    ab,qd-3: ?ab=0012 0009 0006 0003 0000 ?qd=0007 0004 0001<eos>
+    ab,qd-3: ?ab=0012-3: 0009 0006 0003 0000 ?qd=0007-3: 0004 0001<eos>
+
+Each countdown follows its value and step as in the countdown task's prompts (`0012-3:`), so what the model
+must learn beyond that task is the protocol: when to call, and when to stop.
 
 A key's value is a hash of the key, so only the tool knows it. Values are long-tailed and a prompt has one
 to three keys, so episodes have long-tailed lengths and numbers of turns. The reward is 1 when the whole
@@ -26,17 +29,17 @@ from april_ray.config import TaskConfig
 from april_ray.task.countdown import WIDTH, countdown_response
 
 KEY_CHARS = string.ascii_lowercase
-MAX_VALUE = 60
+MAX_VALUE = 48
 TOOL_LOG = "APRIL_RAY_TOOL_LOG"
-FORMAT = 2
+FORMAT = 5
 """The transcript's layout: part of the cache keys of the generated data and of the warmed-up model."""
 
 
 def value_of(key: str) -> int:
-    """The key's value: lognormal (median 12) through a hash, in [1, MAX_VALUE]."""
+    """The key's value: lognormal (median 8) through a hash, in [1, MAX_VALUE]."""
     u = (int.from_bytes(hashlib.sha1(f"lookup:{key}".encode()).digest()[:8], "big") + 0.5) / 2 ** 64
     z = math.sqrt(2) * _erfinv(2 * u - 1)
-    return int(min(MAX_VALUE, max(1, round(12 * math.exp(0.8 * z)))))
+    return int(min(MAX_VALUE, max(1, round(8 * math.exp(0.8 * z)))))
 
 
 def _erfinv(y: float) -> float:
@@ -54,8 +57,13 @@ def segments(prompt: str) -> list[tuple[str, bool]]:
     out = []
     for key in keys.split(","):
         value = value_of(key)
-        out += [(" ?", True), (f"{key}={value:0{WIDTH}d}", False), (countdown_response(value, int(step)), True)]
+        out += [(" ?", True), (answer(key, value, int(step)), False), (countdown_response(value, int(step)), True)]
     return _merged(out)
+
+
+def answer(key: str, value: int, step: int) -> str:
+    """The environment's answer to a lookup of `key`: the key, its value and the step, as `ab=0012-3:`."""
+    return f"{key}={value:0{WIDTH}d}-{step}:"
 
 
 def _merged(parts: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
@@ -74,7 +82,8 @@ def generate(cfg: TaskConfig, num: int, seed: int) -> list[dict]:
     for _ in range(num):
         n_keys = int(rng.choice([1, 2, 3], p=[0.5, 0.3, 0.2]))
         keys = ["".join(rng.choice(list(KEY_CHARS), 2)) for _ in range(n_keys)]
-        prompt = f"{','.join(keys)}-{int(rng.integers(1, cfg.max_step + 1))}:"
+        step = int(rng.integers(1, min(cfg.max_step, *map(value_of, keys)) + 1))  # every countdown has a term
+        prompt = f"{','.join(keys)}-{step}:"
         rows.append({"prompt": prompt, "answer": "".join(text for text, _ in segments(prompt))})
     return rows
 
@@ -90,19 +99,17 @@ def lookup(sample_id: str, turn: int, key: str) -> int:
 
 async def episode(ep) -> None:
     """Model turns until one ends without a tool call (EOS, or the budget); call i looks up the prompt's
-    i-th key (a call past the last one is answered `none`). The task's reward (exact match) scores the
+    i-th key, and a call past the last one ends the episode. The task's reward (exact match) scores the
     whole response."""
-    keys = ep.prompt.rstrip(":").rsplit("-", 1)[0].split(",")
+    keys, step = ep.prompt.rstrip(":").rsplit("-", 1)
+    keys = keys.split(",")
     while True:
         text = await ep.generate(stop=("?",))
-        if not text.endswith("?"):
+        if not text.endswith("?") or ep.turn > len(keys):
             return None
-        if ep.turn > len(keys):
-            ep.append_env("none")
-            continue
         key = keys[ep.turn - 1]
         value = await ep.call_tool("lookup", lookup, ep.sample.sample_id, ep.turn, key)
-        ep.append_env(f"{key}={value:0{WIDTH}d}")
+        ep.append_env(answer(key, value, int(step)))
 
 
 def reward(prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
