@@ -19,7 +19,8 @@ def record(history, steps=20, final=None, off_policy=0.0):
             "final_accuracy_greedy": 0.5, "greedy_history": [], "off_policy_token_ratio": off_policy,
             "staleness_mean": off_policy, "staleness_max": 2 if off_policy else 0,
             "staleness_hist": {"0": 1 - off_policy, "1": off_policy},
-            "phase_s_per_step": {"rollout_s": 1.0, "learner_s": 1.0, "weight_sync_s": 0.1}}
+            "phase_s_per_step": {"rollout_s": 1.0, "learner_s": 1.0, "weight_sync_s": 0.1},
+            "rollout_share": 0.5 + off_policy}
 
 
 def test_report_by_hand():
@@ -41,6 +42,7 @@ def test_report_by_hand():
     assert r["sync"]["accuracy_at_budget"]["55"]["median"] == pytest.approx(0.36)
     assert r["april"]["accuracy_by_step"] == {"0": 0.3, "10": 0.36, "20": 0.40}
     assert r["april"]["off_policy_token_ratio"]["median"] == pytest.approx(0.3)
+    assert r["april"]["rollout_share"]["median"] == pytest.approx(0.8) and r["sync"]["rollout_share"]["max"] == 0.5
     assert r["april"]["staleness_hist"]["1"] == pytest.approx(0.3)
     assert time_to([(0, 0.1), (5, 0.2)], 0.3) is None and accuracy_at([(0, 0.1), (5, 0.2)], 4.9) == 0.1
 
@@ -88,7 +90,8 @@ def test_bench_train_json_keys_on_a_tiny_run(tmp_path, random_model_dir):
         m = r[mode]
         assert len(m["time_to_target_s"]) == 2 and len(m["final_accuracy"]) == 2, mode
         assert {"time_to_target_median_s", "final_accuracy_median", "accuracy_at_budget", "accuracy_by_step",
-                "off_policy_token_ratio", "staleness_hist", "phase_s_per_step"} <= set(m), mode
+                "off_policy_token_ratio", "staleness_hist", "phase_s_per_step", "rollout_share"} <= set(m), mode
+        assert 0 < m["rollout_share"]["median"] < 1, mode
         assert list(m["accuracy_by_step"]) == ["0", "1", "2"]
     assert r["april_2"] == r["april"]  # N'/N = 2 is the configured 8 / 4: the same runs, not run twice
     assert r["sync"]["off_policy_token_ratio"]["max"] == 0.0

@@ -133,7 +133,13 @@ def run_record(summary: dict, eval_every: int) -> dict:
             "over_sampling_factor": {"mean": mean("rollout/over_sampling_factor"),
                                      "last": steps[-1].get("rollout/over_sampling_factor", 0.0) if steps else 0.0},
             "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
-            "phase_s_per_step": {k: mean(f"time/{k}") for k in ("rollout_s", "learner_s", "weight_sync_s")}}
+            "phase_s_per_step": {k: mean(f"time/{k}") for k in ("rollout_s", "learner_s", "weight_sync_s")},
+            "rollout_share": rollout_share(summary["time_s"])}
+
+
+def rollout_share(time_s: dict) -> float:
+    """The rollout's share of the training time (rollout, learner, weight sync; evaluation excluded)."""
+    return time_s["rollout_s"] / max(1e-9, time_s["rollout_s"] + time_s["learner_s"] + time_s["weight_sync_s"])
 
 
 def summarize(runs: dict[str, list[dict]], target: float, budgets: list[float]) -> dict:
@@ -159,6 +165,7 @@ def summarize(runs: dict[str, list[dict]], target: float, budgets: list[float]) 
             "step_s": spread([r["train_s"] / max(1, r["steps"]) for r in recs]),
             "phase_s_per_step": {k: statistics.median(r["phase_s_per_step"][k] for r in recs)
                                  for k in recs[0]["phase_s_per_step"]},
+            "rollout_share": spread([r["rollout_share"] for r in recs]),
             "off_policy_token_ratio": spread([r["off_policy_token_ratio"] for r in recs]),
             "staleness_mean": spread([r["staleness_mean"] for r in recs]),
             "staleness_max": max(r["staleness_max"] for r in recs),
@@ -185,14 +192,14 @@ def report(seeds: list[int], target: float, num_eval: int, runs: dict[str, list[
 
 
 def table(result: dict) -> str:
-    lines = ["| mode | time to target (s), median [min, max] | final acc., median [min, max] | step (s) | off-policy |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| mode | time to target (s), median [min, max] | final acc., median [min, max] | step (s) | rollout share "
+             "| off-policy |", "| --- | --- | --- | --- | --- | --- |"]
     for mode, m in result.items():
         if isinstance(m, dict) and "time_to_target" in m:
             t, f = m["time_to_target"], m["final_accuracy_range"]
             lines.append(f"| {mode} | {t['median']:.0f} [{t['min']:.0f}, {t['max']:.0f}] | {f['median']:.3f} "
                          f"[{f['min']:.3f}, {f['max']:.3f}] | {m['step_s']['median']:.2f} | "
-                         f"{m['off_policy_token_ratio']['median']:.2f} |")
+                         f"{m['rollout_share']['median']:.2f} | {m['off_policy_token_ratio']['median']:.2f} |")
     return "\n".join(lines)
 
 
