@@ -16,6 +16,10 @@ only:
   dropped or stored exactly once (`prompts_consumed_twice`, `prompts_skipped`; a group id is a prompt of
   one epoch), and no sample is trained twice;
 - `metrics.jsonl`: every step once, and the policy versions 1, 2, ... without a gap or a repeat;
+- with the agent task, its log of tool runs against the job's tool journal as each kill left it: no call
+  whose result was journaled runs again (`tool_calls_run_twice`); a call running when the kill took the
+  whole job is run again by the resumed job, counted apart (`tool_calls_rerun_unjournaled`); and episodes
+  come back from the checkpointed store at their turn (`episodes_resumed_after_restart`);
 - the processes under each killed driver (its local Ray), recorded just before the kill: those still
   running at the end are `stray_processes`.
 """
@@ -30,12 +34,13 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from driver.checkpoint import find_checkpoint, read_state
-from driver.records import check_tool_calls, read_rows, taken_group_ids
+from driver.records import TRAINING_SAMPLE, read_rows, taken_group_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +61,7 @@ def run_driver_kills(cfg, args) -> dict:
     cmd = [sys.executable, "-m", "jobs.train", *(["--config", args.config] if getattr(args, "config", None) else []),
            *getattr(args, "overrides", []), f"train.output_dir={out}"]
     os.environ["APRIL_RAY_TOOL_LOG"] = str((out / "tool_calls.jsonl").resolve())  # the agent task's call log
-    t0, runs, watched = time.time(), [], []
+    t0, runs, watched, at_kills = time.time(), [], [], []
     for i, at in enumerate([*at_steps, None]):
         run = Run(cmd + (["train.resume=true"] if i else []), out / f"run{i}.log")
         if at is None:
@@ -64,11 +69,12 @@ def run_driver_kills(cfg, args) -> dict:
         else:
             runs.append(run.kill_after(out / "metrics.jsonl", at, rng))
             watched += run.watched
+            at_kills.append(ToolRecords.read(out))
     time.sleep(2.0)  # a killed run's processes had minutes; this is only for the last one's watchdog
     stray = [f"{p.pid} {name(p)}" for p in watched if p.is_running()]
     result = {"driver_kills": kills, "driver_kill_steps": at_steps, "runs": runs, "stray_processes": len(stray),
               "stray_process_names": stray[:20], "wall_s": time.time() - t0} | check_exactly_once(out, cfg)
-    result |= check_tool_calls(out / "tool_calls.jsonl") | episodes_after_resumes(out, runs)
+    result |= tool_calls_across_kills(ToolRecords.read(out), at_kills) | episodes_after_resumes(out, runs)
     result["ok"] = (result.get("ok", True) and not result["prompts_consumed_twice"] and not result["prompts_skipped"]
                     and not result["samples_trained_twice"] and result["steps_completed"] == n
                     and not result["stray_processes"] and result["metrics_steps_ok"]
@@ -120,6 +126,7 @@ class Run:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.file.close()
+        psutil.wait_procs(self.watched, timeout=30)  # the job's processes end with it (the tool journal's too)
         print(f"chaos: SIGKILL of the driver {delay:.2f}s after step {at} ({len(self.watched)} processes under it)",
               flush=True)
         return {"killed_after_step": at, "delay_s": round(delay, 3), "resumed_from": resumed_from(self.log),
@@ -154,6 +161,51 @@ def step_rows(metrics: Path) -> list[tuple[str, int]]:
             if "train/version" in row:
                 rows.append((line, row["step"]))
     return rows
+
+
+@dataclass(frozen=True)
+class ToolRecords:
+    """The agent task's log of tool runs (one line per run, as `(sample, turn)`) and the job's tool journal
+    (the keys of the results it recorded, as `(sample, turn)`), read together: after a kill, once the job's
+    processes are gone, they are what the next run starts from."""
+
+    runs: tuple[tuple[str, int], ...]
+    journaled: frozenset[tuple[str, int]]
+
+    @classmethod
+    def read(cls, out: Path) -> "ToolRecords":
+        log, journal = out / "tool_calls.jsonl", out / "tool_journal.jsonl"
+        runs = [(r["sample"], r["turn"]) for r in read_jsonl(log) if TRAINING_SAMPLE.fullmatch(r["sample"])]
+        keys = [entry[0].split("/") for entry in read_jsonl(journal)]
+        return cls(tuple(runs), frozenset((k[0], int(k[1])) for k in keys))
+
+
+def read_jsonl(path: Path) -> list:
+    """The whole lines of a JSONL file that a kill may have cut mid-line (a torn last line is skipped)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def tool_calls_across_kills(final: ToolRecords, at_kills: list[ToolRecords]) -> dict:
+    """Training tool calls run more than once for one (sample, turn), told apart by what the journal held when
+    the run before was killed. A call whose result was journaled is final: running it again is an error
+    (`tool_calls_run_twice`). A call that was running when SIGKILL took the whole job (the tool ran, its
+    result never reached the journal) is run again by the resumed job: counted apart
+    (`tool_calls_rerun_unjournaled`); a tool with side effects has to be idempotent for those."""
+    counts = Counter(final.runs)
+    twice = sum(c - 1 for c in counts.values() if c > 1)
+    rerun_unjournaled = 0
+    for kill in at_kills:
+        before = Counter(kill.runs)
+        after = Counter(final.runs) - before  # runs since this kill (the log only grows)
+        rerun_unjournaled += sum(min(c, before[k]) for k, c in after.items() if k in before and k not in kill.journaled)
+    return {"tool_calls": len(final.runs), "tool_calls_run_twice": twice - rerun_unjournaled,
+            "tool_calls_rerun_unjournaled": rerun_unjournaled}
 
 
 def episodes_after_resumes(out: Path, runs: list[dict]) -> dict:

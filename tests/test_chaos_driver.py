@@ -48,3 +48,18 @@ def test_a_killed_driver_resumes_with_every_prompt_consumed_once(tmp_path, rando
     assert partial and partial <= later | {g["group_id"] for g in final["store"]["partial"]}
     assert result["ok"]
     assert not list(out.rglob("*.pkl")) and (out / result["final_checkpoint"] / "rollout_state.json").is_file()
+
+
+def test_tool_calls_across_kills_tell_a_journaled_call_run_again_from_one_cut_by_the_kill():
+    from jobs.chaos_driver import ToolRecords, tool_calls_across_kills
+
+    a, b, c = ("e0p1s0", 1), ("e0p1s1", 1), ("e0p2s0", 2)
+    # kill 1: a and b had run, only a's result was journaled; the resumed run runs b again (cut by the kill)
+    # and a again (journaled: an error), then c; kill 2 finds c journaled, and the last run runs c again.
+    kill1 = ToolRecords((a, b), frozenset({a}))
+    kill2 = ToolRecords((a, b, b, a, c), frozenset({a, b, c}))
+    final = ToolRecords((a, b, b, a, c, c), frozenset({a, b, c}))
+    assert tool_calls_across_kills(final, [kill1, kill2]) == {
+        "tool_calls": 6, "tool_calls_run_twice": 2, "tool_calls_rerun_unjournaled": 1}
+    clean = ToolRecords((a, b, b, c), frozenset({a, b, c}))
+    assert tool_calls_across_kills(clean, [kill1])["tool_calls_run_twice"] == 0
