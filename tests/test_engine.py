@@ -22,22 +22,41 @@ def hf_greedy(model, ids, n):
     return out[0, len(ids):].tolist()
 
 
+@pytest.fixture(scope="module")
+def reference(random_model_dir):
+    """`hf_greedy` of the same weights, from a model of its own (an engine may change its model's weights).
+    Greedy continuations of one input are prefixes of one another, so each input is generated once, at
+    the longest length any test here asks for, and cut to `n`."""
+    from april_ray.model import load_policy
+
+    model, _ = load_policy(random_model_dir)
+    longest, cache = 40, {}
+
+    def greedy_ids(ids, n):
+        assert n <= longest
+        if tuple(ids) not in cache:
+            cache[tuple(ids)] = hf_greedy(model, ids, longest)
+        return cache[tuple(ids)][:n]
+
+    return greedy_ids
+
+
 def requests(tok, sp, prompts=PROMPTS):
     return [GenerateRequest(f"r{i}", tok.encode(p), sp) for i, p in enumerate(prompts)]
 
 
 @pytest.mark.parametrize("max_num_seqs", [2, 8])
-def test_greedy_matches_hf_generate_with_requests_joining_mid_batch(policy, max_num_seqs):
+def test_greedy_matches_hf_generate_with_requests_joining_mid_batch(policy, max_num_seqs, reference):
     model, tok = policy
     # 2 slots for 7 requests: requests join as others leave, at token granularity
     engine = LLMEngine(model, max_num_seqs=max_num_seqs, max_model_len=128)
     outs = engine.generate(requests(tok, greedy()))
     for p, out in zip(PROMPTS, outs):
-        assert out.token_ids == hf_greedy(model, tok.encode(p), 24), p
+        assert out.token_ids == reference(tok.encode(p), 24), p
         assert out.finish_reason == FinishReason.LENGTH
 
 
-def test_prefill_in_the_decode_pass_with_several_chunks_and_first_token_finishes(policy):
+def test_prefill_in_the_decode_pass_with_several_chunks_and_first_token_finishes(policy, reference):
     """Fresh inputs are prefilled in the running batch's decode pass; admissions over the prefill budget
     run in extra chunks first, and a request done at its first token leaves mid-step. Every continuation
     is still the model's own greedy one, and no row is fed twice in a step."""
@@ -57,9 +76,9 @@ def test_prefill_in_the_decode_pass_with_several_chunks_and_first_token_finishes
             outs[out.request_id] = out
         steps += 1
     for r in first:
-        assert outs[r.request_id].token_ids == hf_greedy(model, r.input_ids, 30)
+        assert outs[r.request_id].token_ids == reference(r.input_ids, 30)
     for i, r in enumerate(later):
-        assert outs[r.request_id].token_ids == hf_greedy(model, r.input_ids, r.sampling.max_new_tokens), PROMPTS[i]
+        assert outs[r.request_id].token_ids == reference(r.input_ids, r.sampling.max_new_tokens), PROMPTS[i]
     assert 1 + steps == 30  # the first two got one token a step, from their prefill on, and outlived the rest
 
 
@@ -73,7 +92,7 @@ def test_prefill_chunks_keep_fresh_prompts_apart_from_long_resumed_inputs():
     assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
 
 
-def test_staggered_join_does_not_disturb_running_request(policy):
+def test_staggered_join_does_not_disturb_running_request(policy, reference):
     model, tok = policy
     engine = LLMEngine(model, max_num_seqs=4, max_model_len=128)
     engine.add_request(GenerateRequest("a", tok.encode(PROMPTS[0]), greedy(30)))
@@ -82,9 +101,9 @@ def test_staggered_join_does_not_disturb_running_request(policy):
         if i in (3, 7, 11):
             engine.add_request(GenerateRequest(f"b{i}", tok.encode(PROMPTS[i % 5 + 1]), greedy(5)))
         done.update({o.request_id: o for o in engine.step()})
-    assert done["a"].token_ids == hf_greedy(model, tok.encode(PROMPTS[0]), 30)
+    assert done["a"].token_ids == reference(tok.encode(PROMPTS[0]), 30)
     for i in (3, 7, 11):
-        assert done[f"b{i}"].token_ids == hf_greedy(model, tok.encode(PROMPTS[i % 5 + 1]), 5)
+        assert done[f"b{i}"].token_ids == reference(tok.encode(PROMPTS[i % 5 + 1]), 5)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -101,10 +120,10 @@ def test_logprobs_match_a_separate_forward_pass(policy, temperature):
         torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_abort_returns_exact_prefix_and_resume_continues(policy):
+def test_abort_returns_exact_prefix_and_resume_continues(policy, reference):
     model, tok = policy
     ids = tok.encode(PROMPTS[2])
-    full = hf_greedy(model, ids, 40)
+    full = reference(ids, 40)
     engine = LLMEngine(model, max_num_seqs=4, max_model_len=128)
     engine.add_request(GenerateRequest("x", ids, greedy(40)))
     engine.add_request(GenerateRequest("other", tok.encode(PROMPTS[1]), greedy(40)))
@@ -134,11 +153,11 @@ def test_abort_all_returns_every_request_including_waiting(policy):
     assert not engine.has_work()
 
 
-def test_stop_token_and_budget_clamped_to_context(policy):
+def test_stop_token_and_budget_clamped_to_context(policy, reference):
     model, tok = policy
     engine = LLMEngine(model, max_num_seqs=4, max_model_len=32)
     ids = tok.encode(PROMPTS[0])
-    first = hf_greedy(model, ids, 3)
+    first = reference(ids, 3)
     [stopped] = engine.generate([GenerateRequest("s", ids, SamplingParams(0.0, max_new_tokens=20,
                                                                          stop_token_ids=(first[2],)))])
     assert stopped.finish_reason == FinishReason.STOP and stopped.token_ids[-1] == first[2]
@@ -230,7 +249,7 @@ def _abort_after(engine, reqs, steps):
 
 
 @pytest.mark.parametrize("park_slots", [8, 3])
-def test_resume_restores_parked_kv_and_matches_uninterrupted_greedy(policy, park_slots):
+def test_resume_restores_parked_kv_and_matches_uninterrupted_greedy(policy, park_slots, reference):
     """With spare slots, an aborted sequence's cache is parked and a resume skips its prefill; with fewer
     spare slots than aborted sequences the oldest are evicted and re-prefilled. Either way the continuation
     is token for token the uninterrupted one."""
@@ -244,7 +263,7 @@ def test_resume_restores_parked_kv_and_matches_uninterrupted_greedy(policy, park
                for r, p in zip(reqs, parts)]
     rests = engine.generate(resumed)
     for p, r, part, rest in zip(PROMPTS, resumed, parts, rests):
-        assert part.token_ids + rest.token_ids == hf_greedy(model, tok.encode(p), 40), p
+        assert part.token_ids + rest.token_ids == reference(tok.encode(p), 40), p
     stats = engine.stats()
     hits = min(park_slots, len(reqs))  # the newest aborts stay parked
     assert stats.num_reused_tokens == sum(len(r.input_ids) - 1 for r in resumed[-hits:])
@@ -289,7 +308,7 @@ def test_parked_kv_is_reused_only_within_the_staleness_bound(policy, max_version
     assert engine.stats().num_reused_tokens == before
 
 
-def test_sequences_parked_with_identical_tokens_all_restore_the_cache(policy):
+def test_sequences_parked_with_identical_tokens_all_restore_the_cache(policy, reference):
     """Samples of one prompt often begin with the same tokens, so several aborted sequences can carry
     exactly the same ids: every one of them restores the parked cache (one slot holds it for all), none
     re-prefills. Keyed by the ids alone, the second park used to replace the first one's entry and the
@@ -309,7 +328,7 @@ def test_sequences_parked_with_identical_tokens_all_restore_the_cache(policy):
     assert stats.num_reused_tokens == 3 * (len(ids) + len(parts[0].token_ids) - 1)
     assert stats.num_parked == 0 and len(engine.parked.free) == 4
     for part, rest in zip(parts, rests):
-        assert part.token_ids + rest.token_ids == hf_greedy(model, ids, 30)
+        assert part.token_ids + rest.token_ids == reference(ids, 30)
 
 
 def test_parked_kv_shares_identical_tokens_keeps_the_fresher_cache_and_evicts_by_recency():
@@ -348,7 +367,7 @@ def test_kv_reuse_can_be_switched_off_and_on_at_run_time(policy):
     assert engine.stats().num_reused_tokens == len(a.input_ids) + len(part_a2.token_ids) - 1
 
 
-def test_repeated_interruptions_with_parking_and_eviction_stay_exact(policy):
+def test_repeated_interruptions_with_parking_and_eviction_stay_exact(policy, reference):
     """Four rounds of abort-all and resume (restored, or re-prefilled after an eviction) reproduce the
     uninterrupted greedy continuation of every request."""
     model, tok = policy
@@ -372,7 +391,7 @@ def test_repeated_interruptions_with_parking_and_eviction_stay_exact(policy):
         for out in engine.step():
             done[out.request_id.split("#")[0]] += out.token_ids
     for rid, p in zip(inputs, PROMPTS):
-        assert done[rid] == hf_greedy(model, tok.encode(p), total), p
+        assert done[rid] == reference(tok.encode(p), total), p
     stats = engine.stats()
     assert stats.num_reused_tokens > 0 and stats.num_prefill_tokens > sum(map(len, inputs.values()))
 
@@ -408,7 +427,7 @@ def test_decode_segments_cover_rows_in_order_with_room_for_each():
         assert len(decode_segments(regrouped, straggler_rows=0)) == len({span_bucket(p) for p in pos})
 
 
-def test_long_rows_scattered_among_short_ones_are_sorted_and_stay_exact(policy):
+def test_long_rows_scattered_among_short_ones_are_sorted_and_stay_exact(policy, reference):
     """Admission order puts two ~300-token inputs among short ones: the engine regroups the running batch
     (and its cache rows) by span class, and every continuation is still exactly HF's greedy one."""
     model, tok = policy
@@ -419,7 +438,7 @@ def test_long_rows_scattered_among_short_ones_are_sorted_and_stay_exact(policy):
     outs = engine.generate(requests(tok, greedy(20), prompts))
     assert engine.num_regroups >= 1
     for p, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(model, tok.encode(p), 20), p
+        assert out.token_ids == reference(tok.encode(p), 20), p
 
 
 def test_throughput_probe_counts_its_window_and_leaves_nothing_behind(policy):
