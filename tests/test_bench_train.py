@@ -57,8 +57,6 @@ def test_factors_name_their_modes_and_auto_is_one_of_them():
     assert configured_factor(auto, [1.5, "auto"]) == "april_auto" and "april_auto" not in mode_configs(auto, ["auto"])
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1200)  # four jobs of two steps, each starting its actors
 def test_reuse_takes_runs_by_mode_and_seed_and_refuses_another_config(tmp_path):
     runs = {"sync": [record([(0, 0.3), (50, 0.36)]), record([(0, 0.3), (60, 0.33)])],
             "april": [record([(0, 0.3), (30, 0.37)]), record([(0, 0.3), (40, 0.36)])]}
@@ -72,6 +70,8 @@ def test_reuse_takes_runs_by_mode_and_seed_and_refuses_another_config(tmp_path):
         reused_runs(str(earlier), {"train": {"num_steps": 40}, "task": {"num_eval": 2048}})
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # four jobs of two steps, each starting its actors
 def test_bench_train_json_keys_on_a_tiny_run(tmp_path, random_model_dir):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "jobs.bench.train", "--config", "configs/tiny_cpu.yaml", "--seeds", "2",
