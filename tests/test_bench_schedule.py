@@ -42,6 +42,7 @@ def test_bench_schedule_runs_sync_april_and_the_over_provisioned_baseline_in_pro
         assert res["steps"] == 3 and res["over_sampling_batch_size"] == n_prime
         assert res["effective_tok_s"] > 0 and 0 < res["utilization"] and 0 < res["running_rows_mean"] <= 16
         assert res["cpu_utilization"] == pytest.approx(res["trained_tokens"] / res["cpu_s"] / r["saturated_cpu_tok_s"], abs=1e-3)
+        assert res["unmasked_utilization"] == pytest.approx(res["utilization"] * (1 - res["masked_token_ratio"]))
         assert res["lost_samples"] == res["duplicated_samples"] == 0
         assert len(res["sample_lengths"]) == 4 * 4 * 4  # every returned sample of 4 steps x 4 groups x 4
         assert all(0 < n <= 24 for n in res["sample_lengths"].values())

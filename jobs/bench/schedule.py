@@ -119,6 +119,9 @@ class LocalMode:
                 "over_sampling_batch_size": self.cfg.rollout.over_sampling_batch_size,
                 **res, "utilization": res["effective_tok_s"] / ceiling,
                 "cpu_s": self.cpu_s, "cpu_effective_tok_s": cpu_tok_s, "cpu_utilization": cpu_tok_s / cpu_ceiling,
+                # what the learner trains: the tokens it masks as stale (staleness.policy=mask) left out
+                "unmasked_utilization": res["effective_tok_s"] / ceiling * (1 - res["masked_token_ratio"]),
+                "cpu_unmasked_utilization": cpu_tok_s / cpu_ceiling * (1 - res["masked_token_ratio"]),
                 "sample_lengths": self.sample_lengths}
 
 
