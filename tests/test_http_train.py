@@ -3,35 +3,32 @@ server and drive it with the SGLang client, and the learner broadcasts weights i
 and an SGLang server asked for on a cluster without GPUs fails at once."""
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 from tests.conftest import USER_ENV
+from tests.local_job import SMALL, train_command
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
-         "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24", "engine.max_model_len=64",
-         "algorithm.overlong_buffer=8", "learner.lr=1e-3", "logging.wandb_mode=offline", "logging.dashboard=false"]
 
 
 def train(tmp_path, model_dir, *overrides, timeout=900):
-    cmd = [sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu_http.yaml", f"model.path={model_dir}",
-           f"model.cache_dir={tmp_path}", f"train.output_dir={tmp_path}/out", *SMALL, *overrides,
-           "--summary", f"{tmp_path}/summary.json"]
+    cmd = train_command("configs/tiny_cpu_http.yaml", model_dir, tmp_path, *SMALL, "logging.dashboard=false",
+                        *overrides)
     proc = subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
                           timeout=timeout)
     return proc
 
 
-def test_training_over_http_with_weights_broadcast_into_the_servers(tmp_path, random_model_dir):
+def test_training_over_http_with_weights_broadcast_into_the_servers(http_run, random_model_dir):
     """The learner broadcasts the weights into both servers after each step, and each step's rollout runs
-    on the previous step's weights, under their version (tests/test_zero3_gather.py gathers with two ranks)."""
-    proc = train(tmp_path, random_model_dir, "train.num_steps=3", "train.eval_every=2", "train.save_every=3")
+    on the previous step's weights, under their version (tests/test_zero3_gather.py gathers with two ranks).
+    The run tests/test_listeners.py watches too (conftest.py)."""
+    tmp_path, proc = http_run
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["final_version"] == 3

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 from tests.conftest import USER_ENV
+from tests.local_job import SMALL, train_command
 
 pytestmark = pytest.mark.slow
 
@@ -14,13 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_train(tmp_path, model_dir, *overrides):
-    cmd = [sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu.yaml", f"model.path={model_dir}",
-           f"model.cache_dir={tmp_path}", f"train.output_dir={tmp_path}/out", "task.num_train=300",
-           "task.num_eval=16", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
-           "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24", "engine.max_model_len=64",
-           # a random policy never solves countdown; overlong shaping gives its rewards variance to learn from
-           "algorithm.overlong_buffer=8", "learner.lr=1e-3", "train.eval_every=2", "train.save_every=2", "logging.wandb_mode=offline",
-           "--summary", f"{tmp_path}/summary.json", *overrides]
+    cmd = train_command("configs/tiny_cpu.yaml", model_dir, tmp_path, *SMALL, "train.eval_every=2",
+                        "train.save_every=2", *overrides)
     env = {**USER_ENV, "RAY_ADDRESS": ""}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -63,10 +59,12 @@ def test_bad_config_fails_at_start_naming_the_key(tmp_path):
     assert proc.returncode != 0 and "rollout.over_sampling_batch_size" in proc.stderr
 
 
-def test_two_data_parallel_learner_ranks_with_deepspeed_gloo(tmp_path, random_model_dir):
-    summary, proc = run_train(tmp_path, random_model_dir, "train.num_steps=2", "learner.num_ranks=2",
-                              "learner.zero_stage=2")
-    assert summary["final_version"] == 2
+def test_two_data_parallel_learner_ranks_with_deepspeed_gloo(two_rank_run):
+    """The run tests/test_listeners.py watches too (conftest.py)."""
+    tmp_path, run = two_rank_run
+    assert run.returncode == 0, run.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_version"] == 3
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     # each rank trained on its own share of the groups (8 samples): num_samples is the ranks' sum
     assert all(r["train/num_samples"] == 16 for r in rows if "train/num_samples" in r)

@@ -1,0 +1,91 @@
+"""A training job as a user starts it (`python -m jobs.train` in the user's environment, with a local Ray of
+its own), run to its end, with the listening sockets of its processes recorded while it trains: one run that
+`conftest.py` shares between the tests of its training and the test of its listeners (tests/test_listeners.py)."""
+import ipaddress
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
+         "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24", "engine.max_model_len=64",
+         # a random policy never solves countdown; overlong shaping gives its rewards variance to learn from
+         "algorithm.overlong_buffer=8", "learner.lr=1e-3", "logging.wandb_mode=offline"]
+"""A few short steps of the random tiny model (tests/conftest.py's `random_model_dir`)."""
+
+
+def listeners(root: psutil.Process) -> list[tuple[str, str, int]]:
+    """(process name, address, port) of every listening TCP socket of `root` and its descendants."""
+    out = []
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            name, conns = p.name(), p.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        out += [(name, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+    return out
+
+
+def loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return (mapped or ip).is_loopback
+
+
+def trained_steps(metrics: Path) -> int:
+    if not metrics.is_file():
+        return 0
+    rows = []
+    for line in metrics.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return sum("train/version" in r for r in rows)
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    listeners: list[tuple[str, str, int]]
+    """Every listening socket of the job's processes once two steps were trained (learners set up,
+    weights published, a step done), with at least one more step to go."""
+
+
+def run_job(cmd: list[str], out: Path, env: dict, timeout_s: float = 900) -> Run:
+    """`cmd` (a training job writing to `out`, of three steps or more) to its end."""
+    stdout, stderr = out.parent / "job.stdout", out.parent / "job.stderr"
+    with open(stdout, "w") as o, open(stderr, "w") as e:
+        job = subprocess.Popen(cmd, cwd=ROOT, stdout=o, stderr=e, env=env)
+    found = []
+    try:
+        deadline = time.time() + timeout_s
+        while job.poll() is None and trained_steps(out / "metrics.jsonl") < 2:
+            assert time.time() < deadline, f"no two training steps within {timeout_s} s"
+            time.sleep(0.5)
+        if job.poll() is None:
+            found = listeners(psutil.Process(job.pid))
+        job.wait(max(1.0, deadline - time.time()))
+    finally:
+        if job.poll() is None:
+            under = psutil.Process(job.pid).children(recursive=True)
+            job.send_signal(signal.SIGKILL)
+            job.wait()
+            _, alive = psutil.wait_procs(under, timeout=30)  # the job's watchdog ends its local Ray
+            for p in alive:
+                p.kill()
+    return Run(job.returncode, stdout.read_text(), stderr.read_text(), found)
+
+
+def train_command(config: str, model_dir, tmp_path: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "jobs.train", "--config", config, f"model.path={model_dir}",
+            f"model.cache_dir={tmp_path}", f"train.output_dir={tmp_path}/out", *overrides,
+            "--summary", f"{tmp_path}/summary.json"]
