@@ -28,24 +28,31 @@ def score(prompt, response, answer, metadata):
 '''
 
 
-def test_reward_fn_and_dataset_from_outside_the_repository(tmp_path, random_model_dir, user_env):
+def run_with_plugin(tmp_path, model_dir, user_env, module: str, source: str, *overrides: str):
+    """`jobs.train` for 3 steps with `module` (its `source`) and a dataset in a directory outside the repository,
+    on its PYTHONPATH; returns (that directory, the job's output directory)."""
     plug = tmp_path / "plug"
     plug.mkdir()
-    (plug / "mymod.py").write_text(MYMOD)
+    (plug / f"{module}.py").write_text(source)
     rows = countdown.generate(TaskConfig(), 316, seed=11)
     for name, part in (("train", rows[:300]), ("eval", rows[300:])):
         (plug / f"{name}.jsonl").write_text("".join(json.dumps(r | {"split": name, "row": i}) + "\n"
                                                     for i, r in enumerate(part)))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu.yaml", f"model.path={random_model_dir}",
+    cmd = [sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu.yaml", f"model.path={model_dir}",
            f"model.cache_dir={tmp_path}", f"train.output_dir={out}", f"task.train_path={plug / 'train.jsonl'}",
-           f"task.eval_path={plug / 'eval.jsonl'}", "task.reward_fn=mymod:score", "train.num_steps=3",
+           f"task.eval_path={plug / 'eval.jsonl'}", *overrides, "train.num_steps=3",
            "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4",
            "sampling.max_response_len=24", "engine.max_model_len=64", "train.eval_every=10", "train.save_every=10",
            "train.eval_greedy=false", "learner.backend=torch", "--summary", f"{tmp_path}/summary.json"]
     env = {**user_env, "PYTHONPATH": str(plug), "WANDB_MODE": "offline"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return plug, out
+
+
+def test_reward_fn_and_dataset_from_outside_the_repository(tmp_path, random_model_dir, user_env):
+    plug, out = run_with_plugin(tmp_path, random_model_dir, user_env, "mymod", MYMOD, "task.reward_fn=mymod:score")
 
     calls = [json.loads(line) for line in (plug / "calls.jsonl").read_text().splitlines()]
     train_calls = [c for c in calls if c["metadata"]["split"] == "train"]
@@ -89,24 +96,8 @@ def judge(prompts, responses, answers, metadatas):
 def test_group_reward_fn_from_outside_the_repository(tmp_path, random_model_dir, user_env):
     """task.reward_per_group: the group function is called once per group, with the whole group, and its
     values are the rewards the learner trains on; held-out evaluation calls it with groups of one."""
-    plug = tmp_path / "plug"
-    plug.mkdir()
-    (plug / "groupmod.py").write_text(GROUPMOD)
-    rows = countdown.generate(TaskConfig(), 316, seed=11)
-    for name, part in (("train", rows[:300]), ("eval", rows[300:])):
-        (plug / f"{name}.jsonl").write_text("".join(json.dumps(r | {"split": name, "row": i}) + "\n"
-                                                    for i, r in enumerate(part)))
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu.yaml", f"model.path={random_model_dir}",
-           f"model.cache_dir={tmp_path}", f"train.output_dir={out}", f"task.train_path={plug / 'train.jsonl'}",
-           f"task.eval_path={plug / 'eval.jsonl'}", "task.reward_fn=groupmod:judge", "task.reward_per_group=true",
-           "train.num_steps=3", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
-           "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24", "engine.max_model_len=64",
-           "train.eval_every=10", "train.save_every=10", "train.eval_greedy=false", "learner.backend=torch",
-           "--summary", f"{tmp_path}/summary.json"]
-    env = {**user_env, "PYTHONPATH": str(plug), "WANDB_MODE": "offline"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    plug, out = run_with_plugin(tmp_path, random_model_dir, user_env, "groupmod", GROUPMOD,
+                                "task.reward_fn=groupmod:judge", "task.reward_per_group=true")
 
     calls = [json.loads(line) for line in (plug / "calls.jsonl").read_text().splitlines()]
     train_calls = [c for c in calls if c["rows"][0][0] == "train"]
