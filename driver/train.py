@@ -3,7 +3,8 @@
 Each step: an APRIL rollout (over-provision, interrupt, recycle) returns N complete groups as object
 refs; the learner ranks fetch their shares and take one optimiser step; the new weights are published
 once and every engine adopts them under the next policy version. Held-out accuracy is evaluated before
-training, every `train.eval_every` steps and at the end; checkpoints every `train.save_every` steps.
+training, every `train.eval_every` steps and after the last step (once: a last step that evaluated
+already has); checkpoints every `train.save_every` steps.
 An engine that dies is restarted and caught up while the step goes on (driver/rollout.py); a learner rank
 that dies stops the job with the checkpoint to resume from. `groups.jsonl` records where every group went.
 """
@@ -59,9 +60,10 @@ def train(cfg) -> dict:
     clock = PhaseClock()  # seconds per phase of each step, and over the run
 
     records = GroupLog(out, cfg.staleness, fresh=not cfg.train.resume)
-    step = start - 1
+    step, evaluated = start - 1, None
     for step in range(start, cfg.train.num_steps):
         clock.start()
+        evaluated = None  # this step's held-out metrics, when it evaluates
         batch = rollout.step(step, version)                              # APRIL rollout, refs only
         metrics = batch.metrics | staleness_metrics(batch.staleness, cfg.staleness)
         metrics |= engines.occupancy_metrics()
@@ -75,7 +77,8 @@ def train(cfg) -> dict:
         records.step(step, version - 1, batch)
         train_s += sum(clock.step.values())
         if (step + 1) % cfg.train.eval_every == 0:
-            metrics |= evaluator.run()
+            evaluated = evaluator.run()
+            metrics |= evaluated
             clock.mark("eval")
             exported.record_eval(metrics)
             history.append((train_s, metrics["eval/accuracy_t1"]))
@@ -85,14 +88,17 @@ def train(cfg) -> dict:
         if (step + 1) % cfg.train.save_every == 0:  # after the step's rows: a resume never lacks them
             save_checkpoint(out, step, version, learners, rollout)
 
-    after = evaluator.run()
-    exported.record_eval(after)
+    after = evaluated  # the last step's evaluation is of the final weights already
+    if after is None:
+        after = evaluator.run()
+        exported.record_eval(after)
+        history.append((train_s, after["eval/accuracy_t1"]))
     records.end(step, ray.get(rollout.source.state_dict.remote()), ray.get(rollout.store.state_dict.remote()))
     if step >= start and (step + 1) % cfg.train.save_every:
         save_checkpoint(out, step, version, learners, rollout)
-    tracker.log(max(step, 0) + 1, after, advance=False)
+    if evaluated is None:
+        tracker.log(max(step, 0) + 1, after, advance=False)
     tracker.close()
-    history.append((train_s, after["eval/accuracy_t1"]))
     for actors in (rollout, engines, learners):
         actors.shutdown()
     summary = {"accuracy_before": before["eval/accuracy_t1"], "accuracy_after": after["eval/accuracy_t1"],

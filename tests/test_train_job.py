@@ -44,13 +44,16 @@ def test_train_steps_change_weights_advance_versions_and_resume(tmp_path, random
     assert [r["engine/version_min"] for r in step_rows] == [0, 1, 2]
     assert any(Path(out).glob("wandb/offline-run-*"))
 
-    summary2, proc = run_train(tmp_path, random_model_dir, "train.num_steps=5", "train.resume=true")
+    summary2, proc = run_train(tmp_path, random_model_dir, "train.num_steps=6", "train.resume=true")
     assert "resumed from" in proc.stdout and "ckpt-000002" in proc.stdout
-    assert summary2["steps"] == 2 and summary2["final_version"] == 5
+    assert summary2["steps"] == 3 and summary2["final_version"] == 6
     state_rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["train/version"] for r in state_rows if "train/version" in r] == [1, 2, 3, 4, 5]
+    assert [r["train/version"] for r in state_rows if "train/version" in r] == [1, 2, 3, 4, 5, 6]
     # after the resume the engines started from the checkpoint's weights and version, not from 0
-    assert [r["engine/version_min"] for r in state_rows if "train/version" in r][3:] == [3, 4]
+    assert [r["engine/version_min"] for r in state_rows if "train/version" in r][3:] == [3, 4, 5]
+    # the last step evaluated the final weights: that is the accuracy after, not a second evaluation
+    assert [r["step"] for r in state_rows if "eval/accuracy_t1" in r] == [1, 3, 5]
+    assert len(summary2["history"]) == 3 and summary2["accuracy_after"] == summary2["history"][-1][1]
 
 
 def test_bad_config_fails_at_start_naming_the_key(tmp_path):
