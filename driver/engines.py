@@ -90,10 +90,11 @@ class EngineGroup:
                 log.warning("engine %d missed the weights of version %d (%s): caught up once it is back",
                             e, version, type(out).__name__)
             else:
-                self._seen(e, out["incarnation"])
+                self.saw(e, out["incarnation"])
 
-    def _seen(self, e: int, incarnation: str) -> None:
-        """Engine `e` answered from process `incarnation`: a new one is a restart."""
+    def saw(self, e: int, incarnation: str) -> None:
+        """Engine `e` answered from process `incarnation` (here or through a weight channel): a new one is a
+        restart."""
         if incarnation != self.incarnations[e]:
             self.incarnations[e] = incarnation
             self.restarts += 1
@@ -107,7 +108,7 @@ class EngineGroup:
         for e, st in zip(engines, status):
             if isinstance(st, Exception):
                 continue
-            self._seen(e, st["incarnation"])
+            self.saw(e, st["incarnation"])
             if not st["serving"] or st["version"] != version:
                 behind.append(e)
         if behind and ref is None and version > 0:
@@ -116,7 +117,7 @@ class EngineGroup:
         failed = {e for e, out in zip(behind, done) if isinstance(out, Exception)}
         for e, out in zip(behind, done):
             if e not in failed:
-                self._seen(e, out["incarnation"])  # died again between its status and its update
+                self.saw(e, out["incarnation"])  # died again between its status and its update
         return [e for e, st in zip(engines, status) if not isinstance(st, Exception) and e not in failed]
 
     def _weights_in_object_store(self, version: int):

@@ -204,7 +204,7 @@ def adopt(engines, access: list, received: set[str], version: int, wait_s: float
     adopted = {e for e, out in zip(got, done) if not isinstance(out, Exception)}
     for e, out in zip(got, done):
         if e in adopted:
-            engines._seen(e, out["incarnation"])  # a restart that no step saw is counted here
+            engines.saw(e, out["incarnation"])  # a restart that no step saw is counted here
     missed = [e for e in range(len(access)) if e not in adopted]
     if missed:
         log.warning("engines %s missed the weights of version %d: caught up once they answer", missed, version)
