@@ -9,21 +9,20 @@ from april_ray.rollout.prompt_source import PromptSource
 
 @ray.remote(num_cpus=0)
 class PromptSourceActor:
-    def __init__(self, data_path: str, prompt_key: str, answer_key: str, model_path: str, n_samples: int,
-                 max_response_len: int, seed: int, max_prompt_tokens: int, overlong_prompts: str,
-                 task: TaskConfig | None = None):
-        """`task`: its chat-template and metadata keys (absent: the defaults: the template when the tokenizer
-        has one, every other field of a row as metadata)."""
+    def __init__(self, data_path: str, task: TaskConfig, model_path: str, n_samples: int, max_response_len: int,
+                 seed: int, max_prompt_tokens: int):
+        """The dataset at `data_path`, read with `task`'s keys, chat template and overlong-prompt policy;
+        `seed` orders the prompts; prompts must fit in `max_prompt_tokens`."""
         from transformers import AutoTokenizer
 
         from april_ray.task.chat import PromptEncoder
         from april_ray.task.data import fit_context, read_examples
 
         tok = AutoTokenizer.from_pretrained(model_path)
-        task = task or TaskConfig()
         encode = PromptEncoder(tok, task, f"the tokenizer of {model_path}")
-        examples = fit_context(read_examples(data_path, prompt_key, answer_key, task.metadata_keys), encode,
-                               max_prompt_tokens, overlong_prompts, "task.overlong_prompts", unk_id=tok.unk_token_id)
+        examples = fit_context(read_examples(data_path, task.prompt_key, task.answer_key, task.metadata_keys), encode,
+                               max_prompt_tokens, task.overlong_prompts, "task.overlong_prompts",
+                               unk_id=tok.unk_token_id)
         self.source = PromptSource(examples, encode, n_samples, max_response_len, seed)
 
     def take(self, num_groups: int, step: int):

@@ -23,11 +23,10 @@ class RolloutGroup:
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, train_path: str, engines: EngineGroup) -> "RolloutGroup":
-        source = PromptSourceActor.remote(train_path, cfg.task.prompt_key, cfg.task.answer_key, str(model_path),
-                                          cfg.rollout.n_samples_per_prompt, cfg.sampling.max_response_len,
+        source = PromptSourceActor.remote(train_path, cfg.task, str(model_path), cfg.rollout.n_samples_per_prompt,
+                                          cfg.sampling.max_response_len,
                                           cfg.task.seed + 7919 * cfg.train.seed,  # the prompt order
-                                          cfg.engine.max_model_len - cfg.sampling.max_response_len,
-                                          cfg.task.overlong_prompts, task=cfg.task)
+                                          cfg.engine.max_model_len - cfg.sampling.max_response_len)
         ray.get(source.num_groups_taken.remote())  # a bad dataset row stops the job here, named by file and line
         store = StoreActor.remote(cfg.staleness)
         monitor = CompletionMonitorActor.remote(cfg.rollout, cfg.staleness, engines.actors, engines.capacities, source,
