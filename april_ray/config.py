@@ -437,6 +437,13 @@ def _check_fields(obj, prefix: str) -> None:
 
 def _check_across(cfg: Config) -> None:
     """Rules that relate two keys; each error names the key to change."""
+    _check_task(cfg)
+    _check_engines(cfg)
+    _check_learner_and_rollout(cfg)
+
+
+def _check_task(cfg: Config) -> None:
+    """The model, the task, its rewards and the evaluation sets."""
     if cfg.model.num_heads % cfg.model.num_kv_heads:
         raise ConfigError("model.num_heads: must be a multiple of model.num_kv_heads")
     if cfg.task.length.max_terms < cfg.task.length.min_terms:
@@ -460,6 +467,10 @@ def _check_across(cfg: Config) -> None:
             raise ConfigError(f"eval.datasets.{name}.path: required (a JSONL or Parquet file)")
     if cfg.task.name == "math" and not cfg.task.train_path:
         raise ConfigError("task.train_path: the math task needs a dataset file")
+
+
+def _check_engines(cfg: Config) -> None:
+    """The engines' context, backend, weight channel and placement."""
     if not cfg.model.path and cfg.engine.max_model_len > cfg.model.max_position_embeddings:
         raise ConfigError("engine.max_model_len: exceeds model.max_position_embeddings")
     e, p = cfg.engine, cfg.placement
@@ -478,6 +489,13 @@ def _check_across(cfg: Config) -> None:
     if e.weight_sync == "broadcast" and p.colocate and p.engine_gpus:
         raise ConfigError("engine.weight_sync: broadcast (NCCL) cannot join a learner and a server on one GPU; "
                           "colocated layouts use tensor")
+    if cfg.sampling.max_response_len >= cfg.engine.max_model_len:
+        raise ConfigError(f"sampling.max_response_len: {cfg.sampling.max_response_len} leaves no room for the "
+                          f"prompt in engine.max_model_len {cfg.engine.max_model_len}")
+
+
+def _check_learner_and_rollout(cfg: Config) -> None:
+    """The learner ranks against the batch and the engines, and N' against N."""
     if cfg.learner.backend == "torch" and cfg.learner.num_ranks != 1:
         raise ConfigError("learner.num_ranks: the torch backend trains on one rank; use learner.backend=deepspeed")
     if cfg.learner.num_ranks > cfg.rollout.rollout_batch_size:
@@ -493,9 +511,6 @@ def _check_across(cfg: Config) -> None:
     if r.over_sampling_batch_size != "auto" and r.over_sampling_batch_size < r.rollout_batch_size:
         raise ConfigError(f"rollout.over_sampling_batch_size: must be >= rollout.rollout_batch_size "
                           f"({r.over_sampling_batch_size} < {r.rollout_batch_size})")
-    if cfg.sampling.max_response_len >= cfg.engine.max_model_len:
-        raise ConfigError(f"sampling.max_response_len: {cfg.sampling.max_response_len} leaves no room for the "
-                          f"prompt in engine.max_model_len {cfg.engine.max_model_len}")
 
 
 def with_rollout(cfg: Config, **changes) -> Config:
