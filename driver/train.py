@@ -92,12 +92,11 @@ def train(cfg) -> dict:
     if after is None:
         after = evaluator.run()
         exported.record_eval(after)
+        tracker.log(max(step, 0) + 1, after, advance=False)
         history.append((train_s, after["eval/accuracy_t1"]))
     records.end(step, ray.get(rollout.source.state_dict.remote()), ray.get(rollout.store.state_dict.remote()))
     if step >= start and (step + 1) % cfg.train.save_every:
         save_checkpoint(out, step, version, learners, rollout)
-    if evaluated is None:
-        tracker.log(max(step, 0) + 1, after, advance=False)
     tracker.close()
     for actors in (rollout, engines, learners):
         actors.shutdown()
