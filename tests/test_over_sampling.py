@@ -31,6 +31,18 @@ def test_masked_tokens_lower_n_prime_even_with_idle_slots():
     assert c.factor == pytest.approx(1.5 * AdaptiveOverSampling.STEP_DOWN)
 
 
+def test_after_masked_tokens_n_prime_climbs_back_a_step_at_a_time():
+    c = auto(max_factor=8.0)
+    c.observe(occupancy=0.2 * c.factor, masked_share=0.0)  # a fifth of the slots held per unit of N'/N
+    assert c.factor == pytest.approx(6.0)  # what the occupancy alone asks for: 1.2 / 0.2
+    c.observe(occupancy=0.2 * c.factor, masked_share=0.2)
+    low = c.factor
+    assert low == pytest.approx(6.0 * AdaptiveOverSampling.STEP_DOWN)
+    for k in range(1, 4):  # still idle slots, and no masked tokens
+        c.observe(occupancy=0.2 * c.factor, masked_share=0.0)
+        assert c.factor == pytest.approx(min(6.0, low + k * AdaptiveOverSampling.STEP_UP))
+
+
 def test_n_prime_stays_within_n_and_the_max_factor():
     c = auto(n=8, max_factor=3.0)
     for _ in range(50):
@@ -75,17 +87,21 @@ def test_the_config_takes_an_integer_or_auto_and_names_the_key():
 # One CPU engine as jobs/bench/schedule.py runs one of tiny_cpu.yaml's two: N = 8 groups of 8 samples, 64
 # slots, parked caches reused up to the bound, staleness.max_versions=4 masked; step costs fitted on that
 # bench (docs/benchmarks/bench_schedule.json, step_costs.fit). Lengths in tokens: the countdown task's
-# median (6 terms of 5 tokens, and EOS) and its two families; the samples of one prompt correlate as the
-# tiny model's measured lengths do (0.74 in log space, docs/benchmarks/simulate_cpu.json's by_row).
+# median (6 terms of 5 tokens, and EOS) and its two families, and configs/tiny_cpu_longtail.yaml's tail
+# (sigma 1.8, capped at 2,016 tokens); the samples of one prompt correlate as the tiny model's measured
+# lengths do (0.74 in log space, docs/benchmarks/simulate_cpu.json's by_row).
 FIT = {"a": 0.00169, "b": 4.56e-05, "c": 3.3e-07, "prefill_per_token": 2.65e-05, "prefill_per_step": 0.00036,
        "per_admitted": 0.0, "per_restored_token": 2.45e-06, "per_attended": 3.4e-07}
 FACTORS = (1, 1.5, 2, 3)
 
 
 def bench_setting(family: str) -> Setting:
-    lengths = LengthModel(family, 31, 1.0, 0.75, seed=0, alpha=1.2)
-    return Setting(Workload(lengths, [8] * 20000, 1, 512), cpu_step_cost(FIT), 1, 64, 64 * 640, 8192,
-                   StalenessConfig(4, "mask"), park_slots=128, max_versions=4)
+    if family == "longtail":
+        lengths, budget = LengthModel("lognormal", 31, 1.8, 0.75, seed=0), 2016
+    else:
+        lengths, budget = LengthModel(family, 31, 1.0, 0.75, seed=0, alpha=1.2), 512
+    return Setting(Workload(lengths, [8] * 20000, 1, budget), cpu_step_cost(FIT), 1, 64, 64 * (budget + 128),
+                   8192, StalenessConfig(4, "mask"), park_slots=128, max_versions=4)
 
 
 def simulate(setting: Setting, n_prime, ceiling: float) -> dict:
@@ -98,7 +114,7 @@ def simulate(setting: Setting, n_prime, ceiling: float) -> dict:
     return run_virtual(main)
 
 
-@pytest.mark.parametrize("family", ["lognormal", "pareto"])
+@pytest.mark.parametrize("family", ["lognormal", "pareto", "longtail"])
 def test_auto_is_as_fast_as_the_best_fixed_factor_and_masks_no_more(family):
     """Virtual time: deterministic, whatever the machine's load."""
     setting = bench_setting(family)
