@@ -10,6 +10,7 @@ that dies stops the job with the checkpoint to resume from. `groups.jsonl` recor
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -31,37 +32,20 @@ from driver.setup import prepare
 
 def train(cfg) -> dict:
     """Run the job; returns the summary, with `history`: (training wall seconds, held-out accuracy)."""
-    out = Path(cfg.train.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt = open_run(out, cfg.train)  # fresh: an earlier run's files go to runs/; resume: this run's newest checkpoint
-    (out / "config.yaml").write_text(to_yaml(cfg))
-    job = prepare(cfg)  # model, data and placement plan, once
-    if not ray.is_initialized():
-        init_ray(job.layout, cfg.logging)
-
-    engines = EngineGroup.start(cfg, job.model_path, job.layout)
-    rollout = RolloutGroup.start(cfg, job.model_path, job.train_path, engines)
-    learners = LearnerGroup(cfg, job.model_path, engines)
-    evaluator = Evaluator(cfg, engines, job.model_path, job.eval_path)
-
-    start, version = 0, 0
-    if ckpt is not None:
-        start, version = restore_checkpoint(ckpt, learners, rollout, engines)
-        print(f"resumed from {ckpt}: step {start}, policy version {version}")
-    if cfg.train.resume:  # the steps after the checkpoint are redone: their rows go, not repeat
-        truncate_step_logs(out, start - 1)
+    run = start_run(cfg)  # actors up; a resumed run restores its newest checkpoint
+    engines, rollout, learners, evaluator, out = run.engines, run.rollout, run.learners, run.evaluator, run.out
     before = evaluator.run()
     exported = DriverMetrics(cfg.rollout)  # Ray's metrics (actors/metrics.py)
     exported.record_eval(before)
-    tracker = Tracker(cfg, out, cfg.train.num_steps, start, resume=ckpt is not None)
+    tracker = Tracker(cfg, out, cfg.train.num_steps, run.start, resume=run.resumed)
     tracker.bar.write(f"held-out accuracy before: {json.dumps(before)}")
+    records = GroupLog(out, cfg.staleness, fresh=not cfg.train.resume)
     t0 = time.perf_counter()
     train_s, history = 0.0, [(0.0, before["eval/accuracy_t1"])]  # training time excludes evaluation
     clock = PhaseClock()  # seconds per phase of each step, and over the run
 
-    records = GroupLog(out, cfg.staleness, fresh=not cfg.train.resume)
-    step, evaluated = start - 1, None
-    for step in range(start, cfg.train.num_steps):
+    step, version, evaluated = run.start - 1, run.version, None
+    for step in range(run.start, cfg.train.num_steps):
         clock.start()
         evaluated = None  # this step's held-out metrics, when it evaluates
         batch = rollout.step(step, version)                              # APRIL rollout, refs only
@@ -95,15 +79,54 @@ def train(cfg) -> dict:
         tracker.log(max(step, 0) + 1, after, advance=False)
         history.append((train_s, after["eval/accuracy_t1"]))
     records.end(step, ray.get(rollout.source.state_dict.remote()), ray.get(rollout.store.state_dict.remote()))
-    if step >= start and (step + 1) % cfg.train.save_every:
+    if step >= run.start and (step + 1) % cfg.train.save_every:
         save_checkpoint(out, step, version, learners, rollout)
     tracker.close()
-    for actors in (rollout, engines, learners):
-        actors.shutdown()
-    summary = {"accuracy_before": before["eval/accuracy_t1"], "accuracy_after": after["eval/accuracy_t1"],
-               "accuracy_before_greedy": before.get("eval/accuracy_greedy"),
-               "accuracy_after_greedy": after.get("eval/accuracy_greedy"),
-               "steps": cfg.train.num_steps - start, "wall_s": time.perf_counter() - t0,
-               "final_version": version, "output_dir": str(out), "train_s": train_s, "history": history,
-               "time_s": {f"{phase}_s": round(t, 3) for phase, t in clock.totals.items()}}
-    return summary
+    run.shutdown()
+    return {"accuracy_before": before["eval/accuracy_t1"], "accuracy_after": after["eval/accuracy_t1"],
+            "accuracy_before_greedy": before.get("eval/accuracy_greedy"),
+            "accuracy_after_greedy": after.get("eval/accuracy_greedy"),
+            "steps": cfg.train.num_steps - run.start, "wall_s": time.perf_counter() - t0,
+            "final_version": version, "output_dir": str(out), "train_s": train_s, "history": history,
+            "time_s": {f"{phase}_s": round(t, 3) for phase, t in clock.totals.items()}}
+
+
+@dataclasses.dataclass
+class Run:
+    """A job's actors and where it writes, as `start_run` brings them up."""
+    out: Path
+    engines: EngineGroup
+    rollout: RolloutGroup
+    learners: LearnerGroup
+    evaluator: Evaluator
+    start: int    # the first step to run
+    version: int  # the policy version the engines serve
+    resumed: bool
+
+    def shutdown(self) -> None:
+        for actors in (self.rollout, self.engines, self.learners):
+            actors.shutdown()
+
+
+def start_run(cfg) -> Run:
+    """Bring the job's actors up. A fresh run first moves an earlier run's files to runs/; a resumed run
+    restores its newest checkpoint and drops the step rows logged after it (those steps are redone)."""
+    out = Path(cfg.train.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = open_run(out, cfg.train)
+    (out / "config.yaml").write_text(to_yaml(cfg))
+    job = prepare(cfg)  # model, data and placement plan, once
+    if not ray.is_initialized():
+        init_ray(job.layout, cfg.logging)
+
+    engines = EngineGroup.start(cfg, job.model_path, job.layout)
+    rollout = RolloutGroup.start(cfg, job.model_path, job.train_path, engines)
+    learners = LearnerGroup(cfg, job.model_path, engines)
+    evaluator = Evaluator(cfg, engines, job.model_path, job.eval_path)
+    start, version = 0, 0
+    if ckpt is not None:
+        start, version = restore_checkpoint(ckpt, learners, rollout, engines)
+        print(f"resumed from {ckpt}: step {start}, policy version {version}")
+    if cfg.train.resume:
+        truncate_step_logs(out, start - 1)
+    return Run(out, engines, rollout, learners, evaluator, start, version, resumed=ckpt is not None)
