@@ -68,6 +68,12 @@ def test_the_rule_is_deterministic_and_its_state_goes_through_json():
     assert a.factor == b.factor == resumed.factor
 
 
+def test_a_state_saved_without_a_ceiling_loads_with_the_ceiling_open():
+    c = auto(max_factor=3.0)
+    c.load_state_dict({"factor": 2.0, "occupancy_per_factor": 0.5})
+    assert c.factor == 2.0 and c.ceiling == 3.0
+
+
 def test_the_config_takes_an_integer_or_auto_and_names_the_key():
     assert load_config(None, ["rollout.over_sampling_batch_size=auto"]).rollout.over_sampling_batch_size == "auto"
     fixed = build_over_sampling(load_config(None, ["rollout.over_sampling_batch_size=24"]).rollout)
