@@ -96,8 +96,11 @@ def judge(prompts, responses, answers, metadatas):
 def test_group_reward_fn_from_outside_the_repository(tmp_path, random_model_dir, user_env):
     """task.reward_per_group: the group function is called once per group, with the whole group, and its
     values are the rewards the learner trains on; held-out evaluation calls it with groups of one."""
+    # two sequences at a time per engine: a group's samples run in turns, so when the fourth group finishes the
+    # other four are still queued or generating, and the abort splits them (with the whole batch in one decode
+    # step, a random model's 24-token samples can all finish together and nothing is ever resumed)
     plug, out = run_with_plugin(tmp_path, random_model_dir, user_env, "groupmod", GROUPMOD,
-                                "task.reward_fn=groupmod:judge", "task.reward_per_group=true")
+                                "task.reward_fn=groupmod:judge", "task.reward_per_group=true", "engine.max_num_seqs=2")
 
     calls = [json.loads(line) for line in (plug / "calls.jsonl").read_text().splitlines()]
     train_calls = [c for c in calls if c["rows"][0][0] == "train"]
