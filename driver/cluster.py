@@ -80,8 +80,11 @@ def tie_to_driver() -> None:
     code = "import sys; from driver.cluster import watch_driver; watch_driver(int(sys.argv[1]))"
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     _watchdog = subprocess.Popen([sys.executable, "-c", code, str(os.getpid())], stdin=subprocess.PIPE,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
                                  env={**os.environ, "PYTHONPATH": path})
+    # its first look at the driver's descendants: every process started before this returns is recorded
+    _watchdog.stdout.read(1)  # b"" if it failed to start
+    _watchdog.stdout.close()
 
 
 def watch_driver(pid: int, poll_s: float = 0.5, grace_s: float = 3.0) -> None:
@@ -91,15 +94,17 @@ def watch_driver(pid: int, poll_s: float = 0.5, grace_s: float = 3.0) -> None:
 
     import psutil
 
-    driver, seen = psutil.Process(pid), {}
-    while True:
-        try:
+    seen = {}
+    with contextlib.suppress(psutil.NoSuchProcess):  # the driver gone: end what it left
+        driver = psutil.Process(pid)
+        while True:
             seen |= {p.pid: p for p in driver.children(recursive=True) if p.pid != os.getpid()}
-        except psutil.NoSuchProcess:
-            break
-        ready, _, _ = select.select([sys.stdin], [], [], poll_s)
-        if ready and not os.read(sys.stdin.fileno(), 1):
-            break
+            if not sys.stdout.closed:  # the driver waits for this first look
+                sys.stdout.write("1")
+                sys.stdout.close()
+            ready, _, _ = select.select([sys.stdin], [], [], poll_s)
+            if ready and not os.read(sys.stdin.fileno(), 1):
+                break
     alive = [p for p in seen.values() if p.is_running()]  # is_running also rules out a reused pid
     for signal in ("terminate", "kill"):
         for p in alive:

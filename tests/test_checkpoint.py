@@ -7,7 +7,6 @@ import pickle
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -250,8 +249,7 @@ time.sleep(600)
 
 def test_the_watchdog_ends_a_sigkilled_drivers_processes():
     driver = subprocess.Popen([sys.executable, "-c", DRIVER], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    child = psutil.Process(int(driver.stdout.readline()))
-    time.sleep(2.0)  # the watchdog has seen the child
+    child = psutil.Process(int(driver.stdout.readline()))  # printed after tie_to_driver: the watchdog has seen it
     os.kill(driver.pid, signal.SIGKILL)
     driver.wait()
     gone, alive = psutil.wait_procs([child], timeout=15)
