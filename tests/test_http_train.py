@@ -3,7 +3,6 @@ server and drive it with the SGLang client, and the learner broadcasts weights i
 and an SGLang server asked for on a cluster without GPUs fails at once."""
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -45,11 +44,9 @@ def test_training_over_http_with_weights_broadcast_into_the_servers(http_run, ra
 
 
 def test_sglang_server_on_a_cluster_without_gpus_fails_at_once(tmp_path, random_model_dir):
-    t0 = time.perf_counter()
     proc = train(tmp_path, random_model_dir, "train.num_steps=1", "engine.server=sglang", "placement.engine_gpus=1",
                  timeout=300)
-    elapsed = time.perf_counter() - t0
     assert proc.returncode != 0
     err = proc.stderr[-3000:]
     assert "asks for" in err and "'GPU': 2.0" in err and "has no GPU" in err and "'CPU'" in err, err
-    assert elapsed < 120  # Ray's start and the model check; not the 300 s placement wait
+    assert "could not be placed within" not in err  # the resource check failed it, not the placement group's wait

@@ -172,7 +172,7 @@ def test_a_reward_that_raises_hangs_or_returns_no_number_scores_zero_and_is_coun
         return 1.0
 
     said = []
-    runner = RewardRunner(reward, timeout_s=0.3, log=said.append)
+    runner = RewardRunner(reward, timeout_s=1.0, log=said.append)
 
     async def go():
         ticks = 0
@@ -193,8 +193,8 @@ def test_a_reward_that_raises_hangs_or_returns_no_number_scores_zero_and_is_coun
     release.set()
     assert out == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert runner.drain_errors() == 4 and runner.errors == 0 and runner.total_errors == 4 and runner.hung == 1
-    assert wall < 5 and ticks >= 10
-    assert any("ZeroDivisionError" in s for s in said) and any("task.reward_timeout_s=0.3s" in s for s in said)
+    assert wall < 30 and ticks >= 5  # the loop turned while the hung reward held its thread
+    assert any("ZeroDivisionError" in s for s in said) and any("task.reward_timeout_s=1s" in s for s in said)
 
 
 def test_the_engine_worker_scores_a_failing_reward_zero_and_reports_it_in_stats():
