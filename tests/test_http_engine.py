@@ -68,15 +68,18 @@ def run(coro_fn, srv, **kw):
     return asyncio.run(main())
 
 
-async def progress(client, at_least=1):
-    """Wait until the server has generated tokens (so an abort lands mid-generation)."""
-    start_tokens = (await client.request("GET", "/get_server_info"))["num_generated_tokens"]
-    for _ in range(2000):
+async def progress(client, at_least=1, running=1):
+    """Wait until `running` requests are in the server's batch and it has generated `at_least` tokens since
+    (so an abort lands mid-generation of each of them)."""
+    start_tokens = None
+    for _ in range(6000):
         info = await client.request("GET", "/get_server_info")
-        if info["num_generated_tokens"] - start_tokens >= at_least:
+        if start_tokens is None and info["num_running"] >= running:
+            start_tokens = info["num_generated_tokens"]
+        if start_tokens is not None and info["num_generated_tokens"] - start_tokens >= at_least:
             return
         await asyncio.sleep(0.005)
-    raise AssertionError("the server generated nothing")
+    raise AssertionError(f"the server did not run {running} requests and generate {at_least} tokens: {info}")
 
 
 def test_greedy_tokens_and_logprobs_match_the_model(server, model):
@@ -116,7 +119,7 @@ def test_abort_one_and_all_return_exact_prefixes_and_resume_continues(server, mo
 
     async def main(c):
         tasks = [asyncio.ensure_future(c.generate(r)) for r in reqs]
-        await progress(c, 8)
+        await progress(c, 8, running=len(reqs))  # two steps of all four: each has tokens
         assert c.abort("a0")
         first = await tasks[0]
         assert c.abort_all() == 3
