@@ -28,6 +28,7 @@ class FakeEngine:
         self.max_running = 0
         self.num_calls = 0
         self.request_ids: list[str] = []
+        self.ticks = 0
         self._task = None
 
     async def generate(self, req):
@@ -43,6 +44,7 @@ class FakeEngine:
     async def _loop(self):
         while self.running:
             await asyncio.sleep(self.tick * self.rng.uniform(0.5, 1.5))
+            self.ticks += 1
             for rid, (req, toks, fut) in list(self.running.items())[: self.cap]:  # the rest wait
                 toks.append(TOKEN)
                 total = len(req.input_ids) - 1 + len(toks)
@@ -86,15 +88,33 @@ def parity_reward(prompt, text, answer):
     return float(answer == "True")
 
 
+class TickPool(LocalPool):
+    """A pool whose aborts are `abort_ticks` engine ticks on their way, counted on the engines rather than
+    the clock (a loaded machine can run a wall-clock delay out in a tick or two)."""
+
+    def __init__(self, workers, capacities, engines, abort_ticks: int):
+        super().__init__(workers, capacities)
+        self.engines, self.abort_ticks = engines, abort_ticks
+
+    async def abort_all(self, step, engines):
+        start = [e.ticks for e in self.engines]
+        while any(e.running and e.ticks - t < self.abort_ticks for e, t in zip(self.engines, start)):
+            await asyncio.sleep(self.engines[0].tick)
+        await super().abort_all(step, engines)
+
+
 def make_rollout_parts(cfg, num_examples=500, seed=0, num_engines=2, cap=16, tick=0.0002, abort_delay=0.0,
-                       reward_fn=parity_reward, reward_per_group=False):
+                       reward_fn=parity_reward, reward_per_group=False, abort_ticks=0):
     from april_ray.rollout.monitor import CompletionMonitor
 
     engines = [FakeEngine(tick, seed + e, cap) for e in range(num_engines)]
     sp = SamplingParams(temperature=1.0)
     workers = [EngineWorker(e, lambda ids: "x" * len(ids), reward_fn, sp, reward_per_group=reward_per_group)
                for e in engines]
-    pool = LocalPool(workers, [cap] * num_engines, abort_delay)
+    if abort_ticks:
+        pool = TickPool(workers, [cap] * num_engines, engines, abort_ticks)
+    else:
+        pool = LocalPool(workers, [cap] * num_engines, abort_delay)
     source = PromptSource(length_examples(num_examples, seed), lambda text: [int(text)],
                           cfg.rollout.n_samples_per_prompt, cfg.sampling.max_response_len, seed)
     store = PartialRolloutStore(max_versions=cfg.staleness.max_versions, policy=cfg.staleness.policy)

@@ -156,7 +156,7 @@ def test_dispatch_balances_load_across_engines():
 
 def test_aborts_racing_completions_keep_surplus_groups_for_next_step():
     c = cfg(rollout_batch_size=4, over_sampling_batch_size=16, n_samples_per_prompt=2, max_versions=100)
-    rollout, pool, source, store, engines = make_rollout_parts(c, seed=7, abort_delay=0.02, cap=64)
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=7, abort_ticks=100, cap=64)
 
     async def main():
         seen, checked = set(), 0
