@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from april_ray.config import load_config
-from jobs.bench.train import accuracy_at, configured_factor, mode_configs, report, reused_runs, time_to
+from jobs.bench.train import (accuracy_at, configured_factor, late_accuracy, mode_configs, report, reused_runs,
+                              time_to)
 from tests.conftest import USER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +46,16 @@ def test_report_by_hand():
     assert r["april"]["rollout_share"]["median"] == pytest.approx(0.8) and r["sync"]["rollout_share"]["max"] == 0.5
     assert r["april"]["staleness_hist"]["1"] == pytest.approx(0.3)
     assert time_to([(0, 0.1), (5, 0.2)], 0.3) is None and accuracy_at([(0, 0.1), (5, 0.2)], 4.9) == 0.1
+    assert r["april"]["late_accuracy"] == [0.40, 0.42, 0.39] and r["april"]["late_accuracy_median"] == 0.40
+
+
+def test_late_accuracy_averages_the_last_third_of_the_run_one_step_at_a_time():
+    # 60 steps, evaluated every 10 and once more at the end: steps 40, 50 and 60 (its two evaluations
+    # averaged first) count, each step once
+    rec = {"steps": 60, "eval_steps": [0, 10, 20, 30, 40, 50, 60, 60],
+           "history": [(0, 0.1), (1, 0.5), (2, 0.5), (3, 0.5), (4, 0.20), (5, 0.26), (6, 0.30), (6, 0.20)]}
+    assert late_accuracy(rec) == pytest.approx((0.20 + 0.26 + 0.25) / 3)
+    assert late_accuracy({"steps": 3, "eval_steps": [0, 3], "history": [(0, 0.1), (1, 0.4)]}) == 0.4
 
 
 def test_factors_name_their_modes_and_auto_is_one_of_them():
@@ -90,7 +101,7 @@ def test_bench_train_json_keys_on_a_tiny_run(tmp_path, random_model_dir):
         m = r[mode]
         assert len(m["time_to_target_s"]) == 2 and len(m["final_accuracy"]) == 2, mode
         assert {"time_to_target_median_s", "final_accuracy_median", "accuracy_at_budget", "accuracy_by_step",
-                "off_policy_token_ratio", "staleness_hist", "phase_s_per_step", "rollout_share"} <= set(m), mode
+                "off_policy_token_ratio", "staleness_hist", "phase_s_per_step", "rollout_share", "late_accuracy"} <= set(m), mode
         assert 0 < m["rollout_share"]["median"] < 1, mode
         assert list(m["accuracy_by_step"]) == ["0", "1", "2"]
     assert r["april_2"] == r["april"]  # N'/N = 2 is the configured 8 / 4: the same runs, not run twice

@@ -9,7 +9,8 @@ factor, then the next seed), so a machine whose load drifts slows every mode ali
 Times are training wall time (rollout + learner + weight sync; evaluation excluded). Per mode it reports
 the median and range over seeds of: time to the target accuracy (a seed that never reaches it counts its
 whole wall), held-out accuracy at wall-clock budgets and at each evaluated step, final accuracy (sampled
-and greedy), the off-policy token ratio, the share of tokens masked as stale, staleness (mean, max,
+and greedy), late accuracy (the mean over the evaluations in the run's last third: one evaluation's
+sampling noise and the policy's swing from one evaluation to the next average out), the off-policy token ratio, the share of tokens masked as stale, staleness (mean, max,
 histogram), the step's phase times and the N'/N used (`--factors auto`: the adaptive N', mode
 `april_auto`; each run's mean and last factor are in its record).
 The target defaults to the mean accuracy before training plus `--gain`; `eval_standard_error` is one
@@ -137,6 +138,16 @@ def run_record(summary: dict, eval_every: int) -> dict:
             "rollout_share": rollout_share(summary["time_s"])}
 
 
+def late_accuracy(rec: dict) -> float:
+    """Mean held-out accuracy over the evaluated steps in the last third of the run (several evaluations
+    of one step averaged first); the last evaluation's if none falls there."""
+    by_step: dict[int, list[float]] = {}
+    for step, (_, acc) in zip(rec["eval_steps"], rec["history"]):
+        if step > 0 and 3 * step >= 2 * rec["steps"]:
+            by_step.setdefault(step, []).append(acc)
+    return statistics.mean(statistics.mean(a) for a in by_step.values()) if by_step else rec["history"][-1][1]
+
+
 def rollout_share(time_s: dict) -> float:
     """The rollout's share of the training time (rollout, learner, weight sync; evaluation excluded)."""
     return time_s["rollout_s"] / max(1e-9, time_s["rollout_s"] + time_s["learner_s"] + time_s["weight_sync_s"])
@@ -159,6 +170,9 @@ def summarize(runs: dict[str, list[dict]], target: float, budgets: list[float]) 
             "final_accuracy": final, "final_accuracy_median": statistics.median(final),
             "final_accuracy_range": spread(final),
             "final_accuracy_greedy": [r["final_accuracy_greedy"] for r in recs],
+            "late_accuracy": [late_accuracy(r) for r in recs],
+            "late_accuracy_median": statistics.median(late_accuracy(r) for r in recs),
+            "late_accuracy_range": spread([late_accuracy(r) for r in recs]),
             "accuracy_at_budget": {f"{b:g}": spread([accuracy_at(r["history"], b) for r in recs]) for b in budgets},
             "accuracy_by_step": {str(s): statistics.median(a) for s, a in sorted(by_step.items())},
             "train_s": spread([r["train_s"] for r in recs]),
@@ -192,13 +206,14 @@ def report(seeds: list[int], target: float, num_eval: int, runs: dict[str, list[
 
 
 def table(result: dict) -> str:
-    lines = ["| mode | time to target (s), median [min, max] | final acc., median [min, max] | step (s) | rollout share "
-             "| off-policy |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| mode | time to target (s), median [min, max] | final acc., median [min, max] | late acc., median "
+             "[min, max] | step (s) | rollout share | off-policy |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for mode, m in result.items():
         if isinstance(m, dict) and "time_to_target" in m:
-            t, f = m["time_to_target"], m["final_accuracy_range"]
+            t, f, late = m["time_to_target"], m["final_accuracy_range"], m["late_accuracy_range"]
             lines.append(f"| {mode} | {t['median']:.0f} [{t['min']:.0f}, {t['max']:.0f}] | {f['median']:.3f} "
-                         f"[{f['min']:.3f}, {f['max']:.3f}] | {m['step_s']['median']:.2f} | "
+                         f"[{f['min']:.3f}, {f['max']:.3f}] | {late['median']:.3f} [{late['min']:.3f}, "
+                         f"{late['max']:.3f}] | {m['step_s']['median']:.2f} | "
                          f"{m['rollout_share']['median']:.2f} | {m['off_policy_token_ratio']['median']:.2f} |")
     return "\n".join(lines)
 
