@@ -39,6 +39,25 @@ def policy(random_model_dir):
     return load_policy(random_model_dir)
 
 
+_EXIT_STATUS = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS["code"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Exit with the session's status once everything is reported, without the interpreter's finalization.
+    The suite's process hosts native runtimes that tests start in it (Ray's core worker, gloo groups, torch's
+    thread pools); tearing them down at exit once segfaulted after a passing run's summary (exit 139)."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT_STATUS.get("code", 1))
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
