@@ -92,6 +92,7 @@ def test_deepspeed_learner_single_rank_on_cpu(random_model_dir, tmp_path):
         torch.testing.assert_close(reloaded[k], v)
     torch.testing.assert_close(reloaded["lm_head.weight"], after["model.embed_tokens.weight"])
     assert (tmp_path / "optimizer" / "state").is_dir()
+    torch.distributed.destroy_process_group()  # the learner's gloo group and its store, not left to the exit
 
 
 def test_torch_learner_checkpoint_round_trip(random_model_dir, tmp_path):
