@@ -101,7 +101,8 @@ def test_bench_train_json_keys_on_a_tiny_run(tmp_path, random_model_dir):
         m = r[mode]
         assert len(m["time_to_target_s"]) == 2 and len(m["final_accuracy"]) == 2, mode
         assert {"time_to_target_median_s", "final_accuracy_median", "accuracy_at_budget", "accuracy_by_step",
-                "off_policy_token_ratio", "staleness_hist", "phase_s_per_step", "rollout_share", "late_accuracy"} <= set(m), mode
+                "off_policy_token_ratio", "staleness_hist", "phase_s_per_step", "rollout_share",
+                "late_accuracy"} <= set(m), mode
         assert 0 < m["rollout_share"]["median"] < 1, mode
         assert list(m["accuracy_by_step"]) == ["0", "1", "2"]
     assert r["april_2"] == r["april"]  # N'/N = 2 is the configured 8 / 4: the same runs, not run twice

@@ -10,9 +10,10 @@ Times are training wall time (rollout + learner + weight sync; evaluation exclud
 the median and range over seeds of: time to the target accuracy (a seed that never reaches it counts its
 whole wall), held-out accuracy at wall-clock budgets and at each evaluated step, final accuracy (sampled
 and greedy), late accuracy (the mean over the evaluations in the run's last third: one evaluation's
-sampling noise and the policy's swing from one evaluation to the next average out), the off-policy token ratio, the share of tokens masked as stale, staleness (mean, max,
-histogram), the step's phase times and the N'/N used (`--factors auto`: the adaptive N', mode
-`april_auto`; each run's mean and last factor are in its record).
+sampling noise and the policy's swing from one evaluation to the next average out), the off-policy token
+ratio, the share of tokens masked as stale, staleness (mean, max, histogram), the step's phase times and
+the N'/N used (`--factors auto`: the adaptive N', mode `april_auto`; each run's mean and last factor are
+in its record).
 The target defaults to the mean accuracy before training plus `--gain`; `eval_standard_error` is one
 evaluation's sampling noise at that accuracy, sqrt(p (1 - p) / task.num_eval).
 
