@@ -1,20 +1,20 @@
 """Learner actor: one data-parallel rank, a shell around `april_ray.learn.learner.Learner`.
 
-It fetches its own share of the batch from the sample handles the driver hands it (no rank-0 funnel).
+It fetches its own share of the batch from the sample handles the driver hands it (no rank-0 funnel), and
+sends its weights to the engines through the one channel the job configured (`april_ray.weights`).
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
-import uuid
-from urllib.parse import urlparse
 
 import ray
 
 from actors.refs import fetch
-from april_ray.config import AlgorithmConfig, LearnerConfig, StalenessConfig
+from april_ray.config import AlgorithmConfig, EngineConfig, LearnerConfig, StalenessConfig
 from april_ray.learn.learner import Learner
+from april_ray.types import Delivery
+from april_ray.weights import build_sender
 
 
 @ray.remote
@@ -28,56 +28,31 @@ class LearnerActor:
 
     def setup(self, learner_cfg: LearnerConfig, algo_cfg: AlgorithmConfig, temperature: float,
               max_response_len: int, staleness: StalenessConfig, model_path: str, rank: int, world_size: int,
-              master: tuple[str, int], seed: int = 0) -> None:
+              master: tuple[str, int], engine_cfg: EngineConfig, weights_dir: str, seed: int = 0) -> None:
+        """`weights_dir`: where the disk channel writes the weights every server loads."""
         os.environ["MASTER_ADDR"] = "127.0.0.1" if world_size == 1 else master[0]
         self.learner = Learner(model_path, learner_cfg, algo_cfg, temperature, max_response_len, staleness=staleness,
                                rank=rank, world_size=world_size, master_port=master[1], seed=seed)
+        self.sender = build_sender(engine_cfg.weight_sync, rank, world_size,
+                                   flush_cache=not engine_cfg.reuse_stale_kv, bucket_mb=engine_cfg.weight_bucket_mb,
+                                   backend="gloo" if engine_cfg.server == "cpu" else "nccl",
+                                   tp_size=engine_cfg.tp_size, node_address=ray.util.get_node_ip_address(),
+                                   disk_path=weights_dir, base_model_dir=model_path, put=ray.put)
 
     def train(self, handles: list, version: int) -> dict:
         return self.learner.train_step(fetch(handles), version)
 
-    def publish(self):
-        """Every rank gathers (ZeRO-3 partitions need all of them); rank 0 puts the weights once."""
+    def send_weights(self, servers: list[tuple[str, str] | None], version: int) -> Delivery:
+        """Every rank gathers (ZeRO-3 partitions need all of them) and sends what its channel sends.
+        `servers`: each engine's (URL, admin key), None where it is down (empty for the object store)."""
+        with self.learner.optim.full_weights() as named:
+            return self.sender.send(named, _clients(servers), version)
+
+    def put_weights(self):
+        """The full weights in the object store (rank 0; every rank gathers): what a restarted engine is
+        caught up from when the weights went to the servers by another channel."""
         weights = self.learner.state_dict()
         return ray.put(weights) if self.learner.rank == 0 else None
-
-    def broadcast_weights(self, servers: list[tuple[str, str]], version: int, flush_cache: bool, bucket_mb: float,
-                          backend: str, tp_size: int = 1) -> list[str]:
-        """Disaggregated servers, each (URL, admin key): every rank gathers (ZeRO-3 partitions need all of
-        them); rank 0 broadcasts into every server that answers (and each of its `tp_size` tensor-parallel
-        ranks) through a group of its own. Returns the URLs of the servers that loaded the weights."""
-        from april_ray.engine.weight_sync import BroadcastSender
-
-        with self.learner.optim.full_weights() as named:
-            if self.learner.rank != 0:
-                return []
-            if getattr(self, "sender", None) is None:
-                self.sender = BroadcastSender(_master_address([u for u, _ in servers]), backend, bucket_mb, tp_size,
-                                              group_prefix=f"april-weights-{uuid.uuid4().hex[:8]}")
-            return asyncio.run(self.sender.send(_clients(servers), named, version, flush_cache))
-
-    def hand_over_weights(self, servers: list[tuple[str, str]], version: int, flush_cache: bool,
-                          bucket_mb: float) -> list[str]:
-        """Colocated servers, each (URL, admin key): this rank hands its full weights by handle (CUDA IPC on
-        a GPU, shared memory on CPU) to the servers on its own devices. Returns the URLs that loaded them."""
-        from april_ray.engine.weight_sync import send_tensors, send_to_each
-
-        with self.learner.optim.full_weights() as named:
-            return asyncio.run(send_to_each(_clients(servers), lambda c: send_tensors(c, named, version, flush_cache,
-                                                                                      bucket_mb)))
-
-    def weights_to_disk(self, path: str, base_model_dir: str, servers: list[tuple[str, str]], version: int,
-                        flush_cache: bool) -> list[str]:
-        """Every rank gathers; rank 0 writes a safetensors directory and has every server load it. Returns
-        the URLs of the servers that loaded it."""
-        from april_ray.engine.weight_sync import save_for_disk_update, send_to_each
-
-        with self.learner.optim.full_weights() as named:
-            if self.learner.rank != 0:
-                return []
-            save_for_disk_update(named, path, base_model_dir)
-            return asyncio.run(send_to_each(_clients(servers),
-                                            lambda c: c.update_weights_from_disk(path, flush_cache, version)))
 
     def save(self, path: str, tokenizer_dir: str) -> None:
         self.learner.save(path, tokenizer_dir)
@@ -86,13 +61,7 @@ class LearnerActor:
         self.learner.load(path)
 
 
-def _clients(servers: list[tuple[str, str]]) -> list:
+def _clients(servers: list[tuple[str, str] | None]) -> list:
     from april_ray.engine.sglang_client import SGLangEngine
 
-    return [SGLangEngine(url, admin_api_key=key) for url, key in servers]
-
-
-def _master_address(urls: list[str]) -> str:
-    """Where the servers reach rank 0's rendezvous: loopback when they all run on this node's loopback."""
-    local = all(urlparse(u).hostname in ("127.0.0.1", "localhost") for u in urls)
-    return "127.0.0.1" if local else ray.util.get_node_ip_address()
+    return [None if s is None else SGLangEngine(s[0], admin_api_key=s[1]) for s in servers]

@@ -196,6 +196,11 @@ class EngineConfig:
     weight_bucket_mb: float = positive(512.0)
     """broadcast and tensor: weights go in buckets of about this size."""
 
+    @property
+    def releases_memory(self) -> bool:
+        """Colocated servers give their GPU memory back while the learner trains (the tensor channel)."""
+        return self.weight_sync == "tensor"
+
 
 @dataclass
 class SamplingConfig:

@@ -219,3 +219,13 @@ class StepResult:
     """Their sample handles, in `dropped` order: filtered groups are kept for the consumer, not discarded."""
     discarded: list[str] = field(default_factory=list)
     """Ids of the groups the over-provisioned baseline threw away this step (`rollout.schedule=oversample`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """What one learner rank's weight sender delivered (april_ray/weights/)."""
+
+    loaded: tuple[str, ...] = ()
+    """URLs of the servers that loaded the weights (the channels that reach servers directly)."""
+    weights: Any = None
+    """The object-store channel: rank 0's handle to the full weights, which every engine adopts."""

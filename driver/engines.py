@@ -16,6 +16,7 @@ import logging
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import ray
 from ray.exceptions import OutOfMemoryError, RayActorError
@@ -27,8 +28,23 @@ from actors.journal import ToolJournalActor
 from april_ray.config import Config
 from april_ray.placement import Layout, actor_resources
 from april_ray.engine.base import EngineFailure
+from april_ray.types import Delivery
 
 log = logging.getLogger(__name__)
+
+
+class ServerAccess(NamedTuple):
+    """What a learner needs of an engine's server to send it weights, and the engine process's incarnation
+    (a restarted engine refuses a version its old server received)."""
+    url: str
+    admin_key: str
+    incarnation: str
+
+    @property
+    def server(self) -> tuple[str, str]:
+        return self.url, self.admin_key
+
+
 DOWN = (RayActorError, OutOfMemoryError, EngineFailure)
 """What a call to an engine raises while it is dead (or killed by Ray's OOM killer), restarting, or
 restarted without the current weights."""
@@ -50,9 +66,14 @@ class EngineGroup:
     stats_skipped: int = 0
     """Engine statistics calls that found the engine down (that engine's stats are missing for the step)."""
     weights_source: object = None
-    """A callable that puts the current weights in the object store (`LearnerGroup.weights_ref`): how a
+    """A callable that puts the current weights in the object store (`take_weights_from`): how a
     restarted engine is caught up when the weights reached the servers by another channel
     (engine.weight_sync broadcast, tensor or disk), for that engine alone."""
+    servers_take_weights: bool = False
+    """The weights go to the engines' servers directly (engine.weight_sync broadcast, tensor or disk)."""
+    releases_memory: bool = False
+    """Colocated servers give their GPU memory back while the learner trains (engine.weight_sync=tensor)."""
+    released: bool = False
     journal: object = None
     """The episodes' `ToolJournalActor` (None without rollout.episode_fn)."""
 
@@ -76,7 +97,13 @@ class EngineGroup:
         ]
         status = ray.get([e.status.remote() for e in actors])  # loaded and serving
         return cls(actors, [cfg.engine.max_num_seqs] * len(actors), pg, layout, (None, version),
-                   [st["incarnation"] for st in status], journal=journal)
+                   [st["incarnation"] for st in status], journal=journal,
+                   servers_take_weights=cfg.engine.weight_sync != "object_store",
+                   releases_memory=cfg.engine.releases_memory)
+
+    def take_weights_from(self, source) -> None:
+        """`source()` puts the current weights in the object store (`LearnerGroup.weights_ref`)."""
+        self.weights_source = source
 
     def publish(self, weights_ref, version: int) -> None:
         """Every engine adopts the weights behind one object ref (one `ray.put`, no per-engine copies);
@@ -91,6 +118,51 @@ class EngineGroup:
                             e, version, type(out).__name__)
             else:
                 self.saw(e, out["incarnation"])
+
+    def make_room_for_learner(self) -> None:
+        """Colocated servers give back their weights', KV cache's and CUDA graphs' memory while the learner
+        trains; an engine that is down is skipped."""
+        if self.releases_memory:
+            self.call_all("release_memory", ["weights", "kv_cache", "cuda_graph"])
+            self.released = True
+
+    def open_for_weights(self) -> list[ServerAccess | None]:
+        """Before a publish: each engine's server (None where it is down, and everywhere when the weights
+        go through the object store), with room for the weights again where it gave its memory back."""
+        if not self.servers_take_weights:
+            return [None] * len(self.actors)
+        if self.released:
+            self.call_all("resume_memory", ["weights"])
+        got = settle([a.server_access.remote() for a in self.actors], timeout_s=60.0)
+        return [None if isinstance(g, Exception) else ServerAccess(*g) for g in got]
+
+    def adopt(self, access: list[ServerAccess | None], deliveries: list[Delivery], version: int,
+              wait_s: float = 5.0) -> None:
+        """Every engine serves what the learner ranks delivered as `version`: the object-store handle, or
+        the weights its server loaded (unless it was restarted since: the incarnation is checked). The
+        others are caught up from the object store now if they answer, else by the rollout once back."""
+        ref = next((d.weights for d in deliveries if d.weights is not None), None)
+        if ref is not None:
+            return self.publish(ref, version)
+        if self.released:
+            self.call_all("resume_memory", ["kv_cache", "cuda_graph"])
+            self.released = False
+        self.weights = (None, version)
+        received = {url for d in deliveries for url in d.loaded}
+        got = [e for e, a in enumerate(access) if a is not None and a.url in received]
+        done = settle([self.actors[e].update_weights.remote(None, version, access[e].incarnation) for e in got])
+        adopted = {e for e, out in zip(got, done) if not isinstance(out, Exception)}
+        for e, out in zip(got, done):
+            if e in adopted:
+                self.saw(e, out["incarnation"])  # a restart that no step saw is counted here
+        missed = [e for e in range(len(access)) if e not in adopted]
+        if missed:
+            log.warning("engines %s missed the weights of version %d: caught up once they answer", missed, version)
+            self.catch_up(missed, wait_s)
+
+    def call_all(self, method: str, *args) -> None:
+        """One call to every engine; one that is down is skipped (it is caught up once back)."""
+        settle([getattr(a, method).remote(*args) for a in self.actors], timeout_s=60.0)
 
     def saw(self, e: int, incarnation: str) -> None:
         """Engine `e` answered from process `incarnation` (here or through a weight channel): a new one is a
@@ -141,13 +213,6 @@ class EngineGroup:
     def urls(self) -> list[str]:
         """engine.backend=sglang: each engine's server, in engine order."""
         return ray.get([e.server_url.remote() for e in self.actors])
-
-    def release_memory(self, tags: list[str]) -> None:
-        """Colocated servers give GPU memory back (weights, kv_cache, cuda_graph) while the learner trains."""
-        ray.get([e.release_memory.remote(tags) for e in self.actors])
-
-    def resume_memory(self, tags: list[str]) -> None:
-        ray.get([e.resume_memory.remote(tags) for e in self.actors])
 
     def stats(self, drain: bool = True) -> list:
         """Each engine's statistics; None for an engine that is down (counted in `stats_skipped`)."""

@@ -122,6 +122,7 @@ def start_run(cfg) -> Run:
     engines = EngineGroup.start(cfg, job.model_path, job.layout)
     rollout = RolloutGroup.start(cfg, job.model_path, job.train_path, engines)
     learners = LearnerGroup(cfg, job.model_path, engines)
+    engines.take_weights_from(learners.weights_ref)  # how a restarted engine is caught up
     evaluator = Evaluator(cfg, engines, job.model_path, job.eval_path)
     start, version = 0, 0
     if ckpt is not None:

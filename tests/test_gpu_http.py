@@ -1,5 +1,5 @@
 """GPU checks of the HTTP engine path: our engine's server with the model on CUDA, and weights handed to it
-by CUDA IPC (`weight_sync.send_tensors`); a real `sglang.launch_server` where SGLang is installed.
+by CUDA IPC (`weights.tensor.send_tensors`); a real `sglang.launch_server` where SGLang is installed.
 
     python -m pytest -q -m gpu tests/test_gpu_http.py
 
@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 
-from april_ray.engine import weight_sync
+from april_ray.weights.tensor import send_tensors
 from april_ray.engine.sglang_client import SGLangEngine
 from april_ray.engine.sglang_server import CPUServerLauncher, SGLangLauncher, ServerOptions
 from april_ray.types import FinishReason, GenerateRequest, SamplingParams
@@ -102,7 +102,7 @@ def test_cuda_ipc_tensor_handoff_into_the_server(cuda_server, model):
     assert all(t.is_cuda for _, t in named)
 
     async def main(c):
-        await weight_sync.send_tensors(c, named, 5, flush_cache=True, bucket_mb=0.25)
+        await send_tensors(c, named, 5, flush_cache=True, bucket_mb=0.25)
         c.update_weights(None, 5)
         return await greedy_outputs(c, prompts, 24)
 
@@ -119,7 +119,7 @@ def test_memory_release_and_resume_on_cuda(cuda_server, model):
         await c.release_memory_occupation(["weights", "kv_cache"])
         released = (await c.request("GET", "/get_server_info"))["released"]
         await c.resume_memory_occupation(["weights"])
-        await weight_sync.send_tensors(c, list(model.state_dict().items()), 6, flush_cache=True, bucket_mb=1)
+        await send_tensors(c, list(model.state_dict().items()), 6, flush_cache=True, bucket_mb=1)
         await c.resume_memory_occupation(["kv_cache"])
         return released, await greedy_outputs(c, prompts, 16)
 

@@ -10,8 +10,12 @@ import time
 import pytest
 import torch
 
-from april_ray.engine import weight_sync
-from april_ray.engine.sglang_client import BadRequestError, SGLangEngine
+from april_ray.weights.broadcast import BroadcastGroup
+from april_ray.weights.disk import save_for_disk_update
+from april_ray.weights.servers import weight_update
+from april_ray.weights.tensor import send_tensors
+from april_ray.engine.base import BadRequestError
+from april_ray.engine.sglang_client import SGLangEngine
 from april_ray.engine.sglang_server import CPUServerLauncher, ServerDied, ServerOptions
 from april_ray.types import FinishReason, GenerateRequest, SamplingParams
 
@@ -249,13 +253,13 @@ def test_weight_update_changes_outputs_to_the_new_weights(weights_server, model,
     async def main(c):
         before = await greedy_outputs(c, prompts, 16)
         if how == "broadcast":
-            sender = weight_sync.BroadcastSender("127.0.0.1", "gloo", bucket_mb=0.1, timeout_s=60)
+            sender = BroadcastGroup("127.0.0.1", "gloo", bucket_mb=0.1, timeout_s=60)
             assert await sender.send([c], named, version, flush_cache=True) == [c.url]
             await sender.close()
         elif how == "tensor":
-            await weight_sync.send_tensors(c, named, version, flush_cache=True, bucket_mb=0.1)
+            await send_tensors(c, named, version, flush_cache=True, bucket_mb=0.1)
         else:
-            weight_sync.save_for_disk_update(named, str(tmp_path / "w"), str(model.name_or_path))
+            save_for_disk_update(named, str(tmp_path / "w"), str(model.name_or_path))
             await c.update_weights_from_disk(str(tmp_path / "w"), flush_cache=True, weight_version=version)
         c.update_weights(None, version)
         return before, await greedy_outputs(c, prompts, 16), await c.model_info()
@@ -281,7 +285,7 @@ def test_memory_release_and_resume_cycle(weights_server, model):
         with pytest.raises(BadRequestError, match="released"):
             await c.generate(GenerateRequest("x", prompts[0], greedy(4)))
         await c.resume_memory_occupation(["weights"])
-        await weight_sync.send_tensors(c, list(sd.items()), 21, flush_cache=True, bucket_mb=1)
+        await send_tensors(c, list(sd.items()), 21, flush_cache=True, bucket_mb=1)
         await c.resume_memory_occupation(["kv_cache"])
         return info, await greedy_outputs(c, prompts, 12)
 
@@ -307,7 +311,7 @@ def test_tensor_payload_with_anything_but_tensors_is_refused(weights_server):
             await c.update_weights_from_tensor([payload], flush_cache=False)
         await c.end_weight_update()
         with pytest.raises(BadRequestError, match="not a parameter"):
-            await weight_sync.send_tensors(c, [("nope", torch.zeros(2))], 99, flush_cache=False, bucket_mb=1)
+            await send_tensors(c, [("nope", torch.zeros(2))], 99, flush_cache=False, bucket_mb=1)
         # the refused update closed its session and let generation go on: the server is not left paused
         await c.begin_weight_update()
         await c.end_weight_update()
@@ -344,7 +348,7 @@ def test_stop_rule_is_sglangs_the_request_s_ids_and_the_models_eos_unless_ignore
 
 
 def test_a_weight_update_that_fails_on_one_server_leaves_none_paused_or_in_a_session():
-    """`weight_sync.weight_update` over servers where a pause, or a begin, fails on one: every server that
+    """`weights.servers.weight_update` over servers where a pause, or a begin, fails on one: every server that
     began a session ends it, every server continues, and the error goes on up."""
     class Server:
         def __init__(self, fail=None):
@@ -368,7 +372,7 @@ def test_a_weight_update_that_fails_on_one_server_leaves_none_paused_or_in_a_ses
             await self._call("continue")
 
     async def update(servers, body_fails=False):
-        async with weight_sync.weight_update(servers):
+        async with weight_update(servers):
             if body_fails:
                 raise ValueError("bucket refused")
 

@@ -247,7 +247,7 @@ def test_a_tied_head_is_never_sent_and_the_engine_takes_the_weights_without_it(r
     from transformers import AutoModelForCausalLM
 
     from april_ray.engine.cpu_engine import LLMEngine
-    from april_ray.engine.weight_sync import save_for_disk_update
+    from april_ray.weights.disk import save_for_disk_update
     from april_ray.learn.optim import served_names
 
     learner = Learner(str(random_model_dir), LearnerConfig(backend="torch", lr=1e-2), AlgorithmConfig(), 1.0, 32)

@@ -267,7 +267,7 @@ def test_a_restarted_engine_is_caught_up_from_the_weights_source_when_weights_we
     model, _ = load_policy(model_dir)
     current = {k: v + 0.01 for k, v in model.state_dict().items()}  # "version 3", as the learner holds it
     calls = []
-    engines.weights_source = lambda: calls.append(1) or ray.put(current)
+    engines.take_weights_from(lambda: calls.append(1) or ray.put(current))
     engines.publish(None, 3)  # the servers got version 3 by broadcast; only the version went this way
     assert engines.catch_up([0, 1], wait_s=30.0) == [0, 1] and not calls  # nobody restarted: nothing to fetch
     victim = ray.get(engines.actors[1].status.remote())

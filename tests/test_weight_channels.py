@@ -5,7 +5,9 @@ import asyncio
 import pytest
 import torch
 
-from april_ray.engine import weight_sync
+from april_ray.weights.broadcast import BroadcastGroup
+from april_ray.weights.servers import send_to_each
+from april_ray.weights.tensor import send_tensors
 from april_ray.engine.sglang_client import SGLangEngine
 from april_ray.engine.sglang_server import CPUServerLauncher, ServerOptions
 from april_ray.types import GenerateRequest, SamplingParams
@@ -57,7 +59,7 @@ def test_a_broadcast_leaves_a_dead_server_out_and_a_rebuilt_group_takes_its_succ
     ids = [5, 6, 7, 8]
     a, b = start(random_model_dir, tmp_path), start(random_model_dir, tmp_path)
     c = None
-    sender = weight_sync.BroadcastSender("127.0.0.1", "gloo", bucket_mb=0.05)  # several buckets
+    sender = BroadcastGroup("127.0.0.1", "gloo", bucket_mb=0.05)  # several buckets
     try:
         async def main():
             nonlocal c
@@ -85,9 +87,9 @@ def test_a_handoff_or_disk_load_to_a_dead_server_leaves_it_out(random_model_dir,
         sd = moved(model, 3)
 
         async def main():
-            handed = await weight_sync.send_to_each(admin(a, b), lambda c: weight_sync.send_tensors(
+            handed = await send_to_each(admin(a, b), lambda c: send_tensors(
                 c, list(sd.items()), 3, True, bucket_mb=1))
-            loaded = await weight_sync.send_to_each(admin(a, b), lambda c: c.update_weights_from_disk(
+            loaded = await send_to_each(admin(a, b), lambda c: c.update_weights_from_disk(
                 str(random_model_dir), True, 4))
             return handed, loaded
         assert asyncio.run(main()) == ([a.url], [a.url])

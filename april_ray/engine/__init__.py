@@ -41,7 +41,7 @@ def _http_engine(cfg: EngineConfig, model_path: str, version: int, max_versions:
     from april_ray.engine.sglang_server import LAUNCHERS, ServerOptions
 
     opts = ServerOptions(model_path, host=cfg.host, tp_size=cfg.tp_size, mem_fraction=cfg.mem_fraction,
-                         memory_saver=cfg.weight_sync == "tensor", max_num_seqs=cfg.max_num_seqs,
+                         memory_saver=cfg.releases_memory, max_num_seqs=cfg.max_num_seqs,
                          max_model_len=cfg.max_model_len, max_prefill_tokens=cfg.max_prefill_tokens,
                          num_threads=cfg.num_threads, seed=cfg.seed, park_slots=cfg.park_slots,
                          max_versions=max_versions, startup_timeout_s=cfg.startup_timeout_s,

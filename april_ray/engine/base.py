@@ -10,6 +10,15 @@ class EngineFailure(RuntimeError):
     """An engine died; its in-flight samples are re-dispatched elsewhere."""
 
 
+class ServerError(RuntimeError):
+    """An HTTP call to an inference server failed: the message names the URL, the status and what the
+    server said."""
+
+
+class BadRequestError(ServerError, ValueError):
+    """The server refused the request (400): the request's own fault, as a ValueError from our engine is."""
+
+
 class Engine(Protocol):
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """Generate until stop, budget or abort; an aborted request returns its partial tokens."""

@@ -2,7 +2,7 @@
 {"success", "message"} replies (400 when not successful):
 
 - `/init_weights_update_group` {master_address, master_port, rank_offset, world_size, group_name, backend}:
-  join the learner's broadcast group as rank `rank_offset` (`weight_sync.init_custom_process_group`).
+  join the learner's broadcast group as rank `rank_offset` (`process_groups.init_custom_process_group`).
 - `/update_weights_from_distributed` {names, dtypes, shapes, group_name, flush_cache, abort_all_requests,
   weight_version}: receive one bucket broadcast by rank 0 and load it.
 - `/destroy_weights_update_group` {group_name}.
@@ -27,6 +27,7 @@ from pathlib import Path
 from aiohttp import web
 
 from april_ray.engine import weight_sync
+from april_ray.process_groups import destroy_group, init_custom_process_group
 
 
 class Lease:
@@ -86,7 +87,7 @@ class WeightRoutes:
             raise ValueError(f"group {name!r} already exists")
         args = (body.get("backend") or "nccl", body["master_address"], int(body["master_port"]),
                 int(body["rank_offset"]), int(body["world_size"]), name)
-        pg = await asyncio.to_thread(weight_sync.init_custom_process_group, *args)
+        pg = await asyncio.to_thread(init_custom_process_group, *args)
         self.groups[name] = (pg, weight_sync.comm_device(args[0], self.device))
         return f"Succeeded to initialize custom process group {name} as rank {body['rank_offset']}."
 
@@ -94,7 +95,7 @@ class WeightRoutes:
         name = body.get("group_name") or weight_sync.DEFAULT_GROUP
         if name not in self.groups:
             raise ValueError(f"The group {name!r} to be destroyed does not exist.")
-        weight_sync.destroy_group(self.groups.pop(name)[0])
+        destroy_group(self.groups.pop(name)[0])
         return "Succeeded to destroy custom process group."
 
     async def begin_update(self, body: dict) -> str:

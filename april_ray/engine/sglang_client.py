@@ -14,7 +14,7 @@ in-actor engine.
   reach the server after the abort did) until none is left, a bounded number of times. By rid, so a
   request of the next step is never caught.
 - `update_weights(None, version)` adopts the version of weights that the learner delivered itself
-  (`weight_sync.py`: broadcast, tensor handoff or disk, each stamping `weight_version`); the async
+  (april_ray/weights/: broadcast, tensor handoff or disk, each stamping `weight_version`); the async
   methods below are those deliveries' HTTP half, and pause / continue, memory release / resume,
   `flush_cache`. `update_weights(state_dict, version)` (weights through Ray's object store) hands the
   tensors to the server by handle from this process, on the same node: shared memory.
@@ -33,6 +33,7 @@ import uuid
 
 import aiohttp
 
+from april_ray.engine.base import BadRequestError, ServerError
 from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -41,14 +42,6 @@ FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": Fin
 API_KEY_PATHS = {"/generate", "/model_info", "/get_model_info", "/get_server_info", "/server_info"}
 """SGLang's endpoints under `--api-key`; the others (abort, pause, weights, memory, cache) take
 `--admin-api-key` when it is set, and /health, /metrics none."""
-
-
-class ServerError(RuntimeError):
-    """An HTTP call failed: the message names the URL, the status and what the server said."""
-
-
-class BadRequestError(ServerError, ValueError):
-    """The server refused the request (400): the request's own fault, as a ValueError from our engine is."""
 
 
 class SGLangEngine:
@@ -162,7 +155,7 @@ class SGLangEngine:
     def update_weights(self, state_dict, version: int) -> None:
         """Blocks until the server has loaded them, as our engine's in-place update does: between steps."""
         if state_dict is not None:
-            from april_ray.engine.weight_sync import send_tensors
+            from april_ray.weights.tensor import send_tensors
 
             named = list(state_dict.items())
             self._blocking(lambda: send_tensors(self, named, version, self.flush_on_update, self.bucket_mb))

@@ -27,6 +27,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from april_ray.process_groups import free_port
+
 
 class ServerDied(RuntimeError):
     """The server process exited; the message carries its exit code and the end of its log."""
@@ -74,12 +76,6 @@ def reachable_host(host: str) -> str:
     if ray.is_initialized():
         return ray.util.get_node_ip_address()
     return socket.gethostbyname(socket.gethostname())
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 _LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None  # resolved before any fork

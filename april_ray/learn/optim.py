@@ -17,6 +17,7 @@ import torch
 
 from april_ray.config import LearnerConfig
 from april_ray.learn.safe_state import deepspeed_checkpoint_engine, load_state, save_state
+from april_ray.process_groups import init_default_group
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 
@@ -194,19 +195,6 @@ def build_optim(model, cfg: LearnerConfig, rank: int, world_size: int, master_po
     return TorchOptim(model, cfg, dtype)
 
 
-def init_process_group(backend: str, rank: int, world_size: int, master_port: int) -> None:
-    """torch.distributed over a TCPStore that rank 0 hosts on MASTER_ADDR only (`weight_sync.tcp_store`:
-    the store's server otherwise listens on every interface)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from april_ray.engine.weight_sync import tcp_store
-
-    store = tcp_store(os.environ["MASTER_ADDR"], master_port, world_size, rank == 0, timedelta(minutes=10))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-
-
 def init_deepspeed(model, optimizer, cfg: LearnerConfig, rank: int, world_size: int, master_port: int,
                    dtype: torch.dtype = torch.float32):
     """A module-level function on purpose: Ray cannot pickle actor methods that touch `deepspeed.ops`."""
@@ -217,7 +205,7 @@ def init_deepspeed(model, optimizer, cfg: LearnerConfig, rank: int, world_size: 
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skips a 40 s JIT build on CPU
-    init_process_group("nccl" if on_gpu else "gloo", rank, world_size, master_port)
+    init_default_group("nccl" if on_gpu else "gloo", os.environ["MASTER_ADDR"], master_port, rank, world_size)
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False)  # adopts it
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,

@@ -213,7 +213,7 @@ def plan(cfg, shape: Shape, gpu_memory_gb: float, dtype_bytes: int = 2) -> Memor
         parts["cuda_context"] = CUDA_CONTEXT_GB * (2 if colocated else 1)
     phases = {"train": sum(parts.values())}
     if colocated:
-        released = cfg.engine.weight_sync == "tensor"  # the engines give their memory back while the learner trains
+        released = cfg.engine.releases_memory  # the engines give their memory back while the learner trains
         kv_pool = cfg.engine.mem_fraction * gpu_memory_gb
         if not released:
             phases["train"] += kv_pool
