@@ -76,22 +76,24 @@ def pytest_collection_modifyitems(config, items):
 def two_rank_run(tmp_path_factory, random_model_dir):
     """tiny_cpu.yaml with two DeepSpeed ZeRO-2 learner ranks over gloo, three steps, run once: test_train_job
     checks its training, test_listeners the sockets its processes listened on (rank 0 hosts the rendezvous
-    store)."""
-    from tests.local_job import SMALL, run_job, train_command
+    store), with the hostname resolving to the machine's LAN address where that can be arranged."""
+    from tests.local_job import SMALL, on_lan_hostname, run_job, train_command
 
     tmp = tmp_path_factory.mktemp("two-rank-job")
-    cmd = train_command("configs/tiny_cpu.yaml", random_model_dir, tmp, *SMALL, "train.eval_every=2",
-                        "train.save_every=2", "train.num_steps=3", "learner.num_ranks=2", "learner.zero_stage=2")
-    return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""})
+    cmd, address = on_lan_hostname(train_command(
+        "configs/tiny_cpu.yaml", random_model_dir, tmp, *SMALL, "train.eval_every=2", "train.save_every=2",
+        "train.num_steps=3", "learner.num_ranks=2", "learner.zero_stage=2"), tmp)
+    return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""}, hostname_address=address)
 
 
 @pytest.fixture(scope="session")
 def http_run(tmp_path_factory, random_model_dir):
     """tiny_cpu_http.yaml, three steps, run once: test_http_train checks its training, test_listeners the
-    sockets its processes listened on (the engines' HTTP servers, the weight broadcast group)."""
-    from tests.local_job import SMALL, run_job, train_command
+    sockets its processes listened on (the engines' HTTP servers, the weight broadcast group), with the
+    hostname resolving to the machine's LAN address where that can be arranged."""
+    from tests.local_job import SMALL, on_lan_hostname, run_job, train_command
 
     tmp = tmp_path_factory.mktemp("http-job")
-    cmd = train_command("configs/tiny_cpu_http.yaml", random_model_dir, tmp, *SMALL, "train.num_steps=3",
-                        "train.eval_every=2", "train.save_every=3")
-    return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""})
+    cmd, address = on_lan_hostname(train_command("configs/tiny_cpu_http.yaml", random_model_dir, tmp, *SMALL,
+                                                 "train.num_steps=3", "train.eval_every=2", "train.save_every=3"), tmp)
+    return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""}, hostname_address=address)

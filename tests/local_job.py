@@ -3,7 +3,9 @@ its own), run to its end, with the listening sockets of its processes recorded w
 `conftest.py` shares between the tests of its training and the test of its listeners (tests/test_listeners.py)."""
 import ipaddress
 import json
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +40,32 @@ def loopback(address: str) -> bool:
     return (mapped or ip).is_loopback
 
 
+def lan_address() -> str | None:
+    """This machine's first non-loopback IPv4 address (None if it has none)."""
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not loopback(a.address):
+                return a.address
+    return None
+
+
+def on_lan_hostname(cmd: list[str], tmp_path: Path) -> tuple[list[str], str | None]:
+    """`cmd` run where this machine's hostname resolves to its LAN address, as on many cloud VMs (here it
+    resolves to 127.0.0.1): in a private mount namespace with its own /etc/hosts (`unshare -m`, as root).
+    Returns (the command, the address), or (`cmd`, None) where that cannot be done."""
+    address = lan_address()
+    if address is None or shutil.which("unshare") is None:
+        return cmd, None
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost\n::1 localhost\n{address} {socket.gethostname()}\n")
+    wrap = ["unshare", "-m", "sh", "-c", f"mount --bind {hosts} /etc/hosts && exec \"$@\"", "sh"]
+    probe = subprocess.run([*wrap, sys.executable, "-c", "import socket; print(socket.gethostbyname(socket.gethostname()))"],
+                           capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0 or probe.stdout.strip() != address:
+        return cmd, None
+    return [*wrap, *cmd], address
+
+
 def trained_steps(metrics: Path) -> int:
     if not metrics.is_file():
         return 0
@@ -58,9 +86,11 @@ class Run:
     listeners: list[tuple[str, str, int]]
     """Every listening socket of the job's processes once two steps were trained (learners set up,
     weights published, a step done), with at least one more step to go."""
+    hostname_address: str | None = None
+    """What the job's hostname resolved to, when it ran on a LAN hostname (`on_lan_hostname`)."""
 
 
-def run_job(cmd: list[str], out: Path, env: dict, timeout_s: float = 900) -> Run:
+def run_job(cmd: list[str], out: Path, env: dict, timeout_s: float = 900, hostname_address: str | None = None) -> Run:
     """`cmd` (a training job writing to `out`, of three steps or more) to its end."""
     stdout, stderr = out.parent / "job.stdout", out.parent / "job.stderr"
     with open(stdout, "w") as o, open(stderr, "w") as e:
@@ -82,7 +112,7 @@ def run_job(cmd: list[str], out: Path, env: dict, timeout_s: float = 900) -> Run
             _, alive = psutil.wait_procs(under, timeout=30)  # the job's watchdog ends its local Ray
             for p in alive:
                 p.kill()
-    return Run(job.returncode, stdout.read_text(), stderr.read_text(), found)
+    return Run(job.returncode, stdout.read_text(), stderr.read_text(), found, hostname_address)
 
 
 def train_command(config: str, model_dir, tmp_path: Path, *overrides: str) -> list[str]:
