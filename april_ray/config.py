@@ -355,6 +355,17 @@ class TrainConfig:
     data stays task.seed's and the engines sample with engine.seed (jobs.bench.train sets both per seed)."""
 
 
+RUN_SEED_STRIDE = 7919
+"""How far one train.seed moves a seed `run_seeded` derives (a prime)."""
+
+
+def run_seeded(base: int, run_seed: int) -> int:
+    """`base` (a component's own seed: the prompt order's task.seed, the learner's torch seed) offset by the
+    run's train.seed; train.seed 0 keeps `base`. Changing the formula changes what every run draws (and so
+    every figure measured with a seed)."""
+    return base + RUN_SEED_STRIDE * run_seed
+
+
 @dataclass
 class EvalSetConfig:
     """One named evaluation set, read as training data is (JSONL or Parquet, errors naming the row)."""

@@ -27,7 +27,7 @@ import torch
 
 from april_ray.learn import algorithms as algo
 from april_ray.batching import padded_chunks
-from april_ray.config import AlgorithmConfig, LearnerConfig, StalenessConfig
+from april_ray.config import AlgorithmConfig, LearnerConfig, StalenessConfig, run_seeded
 from april_ray.learn.logprobs import num_chunks, packed_layout, padded_layout, selected_logprobs
 from april_ray.learn.optim import build_optim
 from april_ray.types import Sample
@@ -124,7 +124,7 @@ class Learner:
         from transformers import AutoTokenizer
 
         torch.set_num_threads(learner_cfg.num_threads)
-        torch.manual_seed(1234 + rank + 7919 * seed)
+        torch.manual_seed(run_seeded(1234 + rank, seed))
         self.rng = random.Random(seed * 1_000_003 + rank)
         self.cfg, self.algo = learner_cfg, algo_cfg
         self.policy_loss = algo.build_loss(algo_cfg)
