@@ -10,7 +10,7 @@ import ray
 from actors.monitor import CompletionMonitorActor
 from actors.prompt_source import PromptSourceActor
 from actors.store import StoreActor
-from april_ray.config import Config
+from april_ray.config import Config, run_seeded
 from driver.engines import EngineGroup
 
 
@@ -25,7 +25,7 @@ class RolloutGroup:
     def start(cls, cfg: Config, model_path: str, train_path: str, engines: EngineGroup) -> "RolloutGroup":
         source = PromptSourceActor.remote(train_path, cfg.task, str(model_path), cfg.rollout.n_samples_per_prompt,
                                           cfg.sampling.max_response_len,
-                                          cfg.task.seed + 7919 * cfg.train.seed,  # the prompt order
+                                          run_seeded(cfg.task.seed, cfg.train.seed),  # the prompt order
                                           cfg.engine.max_model_len - cfg.sampling.max_response_len)
         ray.get(source.num_groups_taken.remote())  # a bad dataset row stops the job here, named by file and line
         store = StoreActor.remote(cfg.staleness)

@@ -1,10 +1,10 @@
 """The simulator against measurement: the CPU engine's step costs and the tiny task's response lengths.
 
-The step costs come from `jobs/bench/schedule.py`'s runs: `StepRecorder` records every step of the real
-CPU engine (`LLMEngine.step`, the tiny model, one torch thread) while it serves the real schedules in
-process (the synchronous baseline and APRIL at N'/N = 1.5 and 3, interleaved step by step with a
-saturated probe after every round, so the machine's drift falls on all of them alike): the step's
-running rows, the context its decoding rows hold, the tokens it prefilled, and its CPU time (the
+The step costs come from `jobs/bench/schedule.py`'s runs: its `StepRecorder` (jobs/bench/steplog.py)
+records every step of the real CPU engine (`LLMEngine.step`, the tiny model, one torch thread) while it
+serves the real schedules in process (the synchronous baseline and APRIL at N'/N = 1.5 and 3, interleaved
+step by step with a saturated probe after every round, so the machine's drift falls on all of them alike):
+the step's running rows, the context its decoding rows hold, the tokens it prefilled, and its CPU time (the
 thread's: a shared machine's load would swamp wall-clock times; and the process's other threads do not
 belong to the step). `fit_costs` fits
 
@@ -43,78 +43,10 @@ from sim.hardware import StepCost
 from sim.workload import LengthModel, Workload
 
 FEATURES = ("one", "rows", "context", "prefilled", "any_prefill", "admitted", "restored", "regrouped", "attended")
+"""What an engine step's cost is fitted on: the columns of the rows `StepRecorder` records, its CPU time last."""
 COSTS = ("a", "b", "c", "prefill_per_token", "prefill_per_step", "per_admitted", "per_restored_token", "per_regroup",
          "per_attended")
 """The fit's cost of each feature, in `FEATURES` order."""
-
-
-class StepRecorder:
-    """Wraps one `LLMEngine`'s `step` (from outside, for the measurement) and keeps each step's features
-    and CPU time, and the thread's CPU between steps (the front end, the workers and the monitor).
-
-    `gaps`: per step, the thread's CPU since the last step any recorder of the run timed (-1 for the
-    run's first): the other work the step follows on its core (`fit_by_gap` checks the fit against it)."""
-
-    _last_any: float | None = None
-    """Thread CPU time when the last recorded step of any engine of the run ended (all run on one
-    thread; `new_run` forgets it)."""
-
-    @classmethod
-    def new_run(cls) -> None:
-        """A new bench run starts (its first step follows no recorded one)."""
-        cls._last_any = None
-
-    def __init__(self, engine):
-        self.engine, self.inner, self.rows, self.gaps = engine, engine.step, [], []
-        self.between_s, self.last = 0.0, None
-        self.boundary_s, self.aborted = 0.0, 0
-        self.inner_abort_all = engine.abort_all
-        engine.step, engine.abort_all = self.step, self.abort_all
-
-    def abort_all(self):
-        outs = self.inner_abort_all()
-        self.aborted += len(outs)
-        return outs
-
-    def step(self):
-        e = self.engine
-        t_in = time.thread_time()
-        if self.last is not None:
-            self.between_s += t_in - self.last
-        from april_ray.engine.model_runner import decode_segments
-
-        running = len(e.scheduler.running)
-        context = sum(s.num_tokens for s in e.scheduler.running)
-        segments = decode_segments([s.num_tokens - 1 for s in e.scheduler.running]) if running else []
-        attended = sum((end - start) * span for start, end, span in segments)
-        n0, r0, g0, t0 = e.num_prefill_tokens, e.num_reused_tokens, e.num_regroups, time.thread_time()
-        outs = self.inner()
-        dt = time.thread_time() - t0
-        prefilled, rows = e.num_prefill_tokens - n0, e.occupancy[-1][1]
-        self.rows.append((1.0, rows, context, prefilled, float(prefilled > 0), rows - running,
-                          e.num_reused_tokens - r0, e.num_regroups - g0, attended, dt))
-        self.gaps.append(-1.0 if StepRecorder._last_any is None else t_in - StepRecorder._last_any)
-        self.last = StepRecorder._last_any = time.thread_time()
-        return outs
-
-    def boundary(self) -> None:
-        """A rollout step ends: the CPU since the engine's last step (the abort, parking the aborted caches,
-        the store) is the step boundary's."""
-        if self.last is not None:
-            self.boundary_s += time.thread_time() - self.last
-        self.last = None
-
-    def between(self, process_cpu_s: float, boundary_apart: bool = True) -> dict:
-        """The process's CPU outside the engine's steps (`process_cpu_s` less the steps' own): the engine
-        thread's between them and every other thread's (the reward runner's, one per finished sample; on
-        the bench's one core all of it holds the engine up, and the thread's own `between_s` misses it),
-        less the step boundaries' if `boundary_apart`; and the steps and requests it is spread over
-        (`between_costs`)."""
-        outside = process_cpu_s - sum(row[-1] for row in self.rows)
-        admitted = FEATURES.index("admitted")
-        return {"between_s": outside - self.boundary_s if boundary_apart else outside,
-                "between_thread_s": self.between_s, "steps": len(self.rows),
-                "requests": sum(row[admitted] for row in self.rows)}
 
 
 GRID_ROWS = (1, 4, 16, 32, 64)

@@ -6,12 +6,9 @@ over-provisioning, budget, engines, staleness) is read from the job's own config
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from april_ray.config import ConfigError, load_config, non_negative, one_of, positive, probability
+from april_ray.config import ConfigError, load_config, load_structured, non_negative, one_of, positive, probability
 from sim.workload import load_lengths_file
 
 
@@ -58,20 +55,17 @@ class SimulateConfig:
     seed: int = 0
 
 
+@dataclass
+class _SimulateRoot:
+    """The tree `simulate.*` overrides are merged into, so errors name their key with its prefix."""
+
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
+
+
 def load_simulate_config(overrides: list[str]) -> SimulateConfig:
-    """`simulate.key=value` items (the prefix included) over the defaults, each value checked by its rule."""
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(SimulateConfig),
-                                 OmegaConf.from_dotlist([o.split(".", 1)[1] for o in overrides]))
-        cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None)
-        raise ConfigError(f"simulate.{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]) from None
-    for f in fields(cfg):
-        if "rule" in f.metadata:
-            text, check = f.metadata["rule"]
-            if not check(getattr(cfg, f.name)):
-                raise ConfigError(f"simulate.{f.name}: must be {text}, got {getattr(cfg, f.name)!r}")
+    """`simulate.key=value` items (the prefix included) over the defaults, loaded as the job's config is
+    (`load_structured`: each value checked by its rule, errors naming the key), then the rules across keys."""
+    cfg = load_structured(_SimulateRoot, None, overrides).simulate
     if cfg.group_correlation > 1:
         raise ConfigError(f"simulate.group_correlation: must be <= 1, got {cfg.group_correlation}")
     if cfg.length_family in ("histogram", "task") and not cfg.length_file:

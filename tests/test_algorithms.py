@@ -130,3 +130,22 @@ def test_gspo_sequence_clip_acts_on_the_ratio_to_pi_old_and_behaviour_weights_st
     assert neg.loss.item() == pytest.approx(math.exp(-0.2)) and neg.metrics["loss/clip_fraction"] == 0.0
     neg.loss.backward()
     torch.testing.assert_close(stale.grad, torch.full((1, 2), math.exp(-0.2) / 2))
+
+
+@pytest.mark.parametrize("name,aggregation,per_token", [("grpo", "seq_mean_token_mean", False),
+                                                         ("dapo", "token_mean", True), ("gspo", "token_mean", False)])
+def test_the_loss_is_chosen_once_from_the_algorithm_and_computes_its_function(name, aggregation, per_token):
+    """`build_loss`: GSPO's sequence loss (always per sequence, whatever the aggregation says), else the token
+    loss with the configured aggregation; calling it is calling that function with the configured clips."""
+    from april_ray.config import AlgorithmConfig
+
+    loss = algo.build_loss(AlgorithmConfig(name=name, clip_low=0.2, clip_high=0.28, loss_aggregation=aggregation))
+    assert loss.per_token is per_token
+    logp, mask = torch.tensor([[0.5, -0.5, 0.1], [0.3, 0.0, 0.0]]), torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    args = (logp, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), mask, torch.ones(2, 3))
+    if name == "gspo":
+        expected = algo.sequence_policy_loss(*args, 0.2, 0.28)
+    else:
+        expected = algo.token_policy_loss(*args, 0.2, 0.28, aggregation)
+    out = loss(*args)
+    assert out.loss.item() == expected.loss.item() and out.metrics == expected.metrics

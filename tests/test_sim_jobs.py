@@ -45,6 +45,22 @@ def test_bad_input_to_the_simulator_names_the_flag_or_the_entry(tmp_path):
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
+def test_simulate_overrides_load_as_the_job_config_does_and_errors_name_the_key():
+    from april_ray.config import ConfigError
+    from sim.config import load_simulate_config
+
+    sim = load_simulate_config(["simulate.steps=3", "simulate.length_family=pareto", "simulate.length_alpha=2"])
+    assert (sim.steps, sim.length_family, sim.length_alpha, sim.warmup_steps) == (3, "pareto", 2.0, 3)
+    for overrides, message in [(["simulate.steps=0"], "simulate.steps: must be > 0, got 0"),
+                               (["simulate.steps=x"], "simulate.steps: Value 'x'"),
+                               (["simulate.nokey=1"], "simulate.nokey: Key 'nokey' not in 'SimulateConfig'"),
+                               (["simulate.steps"], "override 'simulate.steps': expected key=value"),
+                               (["simulate.group_correlation=1.5"], "simulate.group_correlation: must be <= 1"),
+                               (["simulate.length_family=task"], "simulate.length_file: length_family=task needs")]:
+        with pytest.raises(ConfigError, match="^" + re.escape(message)):
+            load_simulate_config(overrides)
+
+
 def test_usable_cores_follow_the_affinity_and_the_lowest_cpu_quota_on_the_cgroups_path(tmp_path):
     from jobs.common import usable_cores
 

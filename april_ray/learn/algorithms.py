@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from april_ray.config import AlgorithmConfig
+
 
 @dataclass
 class LossOutput:
@@ -106,6 +108,42 @@ def sequence_policy_loss(logp, old_logp, adv, mask, weights, clip_low: float, cl
     valid = mask.sum(1) > 0
     metrics = _clip_metrics(s[:, None], adv[:, None], valid[:, None].float(), clip_low, clip_high)
     return LossOutput(loss_seq[valid].mean(), metrics)
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """GRPO and DAPO: `token_policy_loss`, averaged over tokens (token_mean) or sequences."""
+
+    clip_low: float
+    clip_high: float
+    aggregation: str
+
+    @property
+    def per_token(self) -> bool:
+        """The loss averages over tokens (else over the sequences with a kept token)."""
+        return self.aggregation == "token_mean"
+
+    def __call__(self, logp, old_logp, adv, mask, weights) -> LossOutput:
+        return token_policy_loss(logp, old_logp, adv, mask, weights, self.clip_low, self.clip_high, self.aggregation)
+
+
+@dataclass(frozen=True)
+class SequenceLoss:
+    """GSPO: `sequence_policy_loss`, averaged over the sequences with a kept token."""
+
+    clip_low: float
+    clip_high: float
+    per_token = False
+
+    def __call__(self, logp, old_logp, adv, mask, weights) -> LossOutput:
+        return sequence_policy_loss(logp, old_logp, adv, mask, weights, self.clip_low, self.clip_high)
+
+
+def build_loss(cfg: AlgorithmConfig) -> TokenLoss | SequenceLoss:
+    """The policy loss of `algorithm.name`, chosen once (when the learner is built)."""
+    if cfg.name == "gspo":
+        return SequenceLoss(cfg.clip_low, cfg.clip_high)
+    return TokenLoss(cfg.clip_low, cfg.clip_high, cfg.loss_aggregation)
 
 
 def kl_k3(logp, ref_logp, mask) -> torch.Tensor:

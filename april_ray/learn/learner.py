@@ -27,7 +27,7 @@ import torch
 
 from april_ray.learn import algorithms as algo
 from april_ray.batching import padded_chunks
-from april_ray.config import AlgorithmConfig, LearnerConfig, StalenessConfig
+from april_ray.config import AlgorithmConfig, LearnerConfig, StalenessConfig, run_seeded
 from april_ray.learn.logprobs import num_chunks, packed_layout, padded_layout, selected_logprobs
 from april_ray.learn.optim import build_optim
 from april_ray.types import Sample
@@ -112,12 +112,6 @@ _PER_RESPONSE_TOKEN = ("off_policy/", "train/behaviour_logp_gap")
 """Metrics over every response token of a micro-batch, kept or masked (the others: over the kept ones)."""
 
 
-def policy_loss(logp, old_logp, adv, mask, weights, a: AlgorithmConfig) -> algo.LossOutput:
-    if a.name == "gspo":
-        return algo.sequence_policy_loss(logp, old_logp, adv, mask, weights, a.clip_low, a.clip_high)
-    return algo.token_policy_loss(logp, old_logp, adv, mask, weights, a.clip_low, a.clip_high, a.loss_aggregation)
-
-
 class Learner:
     def __init__(self, model_path: str, learner_cfg: LearnerConfig, algo_cfg: AlgorithmConfig,
                  temperature: float, max_response_len: int, *, staleness: StalenessConfig = StalenessConfig(),
@@ -130,9 +124,10 @@ class Learner:
         from transformers import AutoTokenizer
 
         torch.set_num_threads(learner_cfg.num_threads)
-        torch.manual_seed(1234 + rank + 7919 * seed)
+        torch.manual_seed(run_seeded(1234 + rank, seed))
         self.rng = random.Random(seed * 1_000_003 + rank)
         self.cfg, self.algo = learner_cfg, algo_cfg
+        self.policy_loss = algo.build_loss(algo_cfg)
         self.temperature, self.max_response_len, self.staleness = temperature, max_response_len, staleness
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -255,8 +250,8 @@ class Learner:
                                              version, batch["mask"], tis_cap=self.algo.tis_cap,
                                              max_versions=self.staleness.max_versions, policy=self.staleness.policy)
         tokens = float(keep.sum())
-        by_token = self.algo.name != "gspo" and self.algo.loss_aggregation == "token_mean"
-        return (tokens if by_token else float((keep.sum(1) > 0).sum())), tokens, float(batch["mask"].sum())
+        units = tokens if self.policy_loss.per_token else float((keep.sum(1) > 0).sum())
+        return units, tokens, float(batch["mask"].sum())
 
     def _loss(self, batch, adv, version):
         """This micro-batch's policy loss (its mean over its loss units), its KL to the reference (None
@@ -266,7 +261,7 @@ class Learner:
         weights, keep, metrics = algo.off_policy_weights(
             old_logp, batch["behaviour_logp"], batch["versions"], version, batch["mask"],
             tis_cap=self.algo.tis_cap, max_versions=self.staleness.max_versions, policy=self.staleness.policy)
-        out = policy_loss(logp, old_logp, adv, keep, weights, self.algo)
+        out = self.policy_loss(logp, old_logp, adv, keep, weights)
         metrics |= out.metrics
         kl = None
         if self.ref is not None:

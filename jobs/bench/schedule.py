@@ -31,7 +31,7 @@ wall clock also counts the time other processes held the core, which falls uneve
 probes, and only the CPU figure compares with the simulator's costs (fitted on CPU time).
 
 Every engine step (the modes' and the probes') is recorded as `jobs.simulate --calibrate` fits step
-costs (sim/calibrate.py `StepRecorder`, its thread's CPU time and the batch it ran): the JSON's
+costs (`StepRecorder` in jobs/bench/steplog.py: its thread's CPU time and the batch it ran): the JSON's
 `step_costs` holds the fit, each feature summed per mode, and the CPU outside steps, so the simulator
 predicts this run with costs from the same minutes of the machine. The recording's own CPU, outside the
 steps it times, falls on every mode and on the probe alike. `fit_by_gap` checks the fit against each mode's
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jobs.bench.steplog import StepLog, public
+from jobs.bench.steplog import StepLog, StepRecorder, public
 from jobs.common import parse, write_result
 from april_ray.config import Config, ConfigError, over_sampling_batch_size, with_rollout
 from april_ray.model import load_policy
@@ -57,7 +57,7 @@ from april_ray.rollout.prompt_source import PromptSource, first_prompts
 from april_ray.rollout.store import PartialRolloutStore
 from april_ray.task.data import read_examples
 from driver.setup import JobInputs, prepare
-from sim.calibrate import FEATURES, StepRecorder, fit_by_gap, fit_costs
+from sim.calibrate import FEATURES, fit_by_gap, fit_costs
 
 
 def per_engine(cfg: Config, factor: float | str | None) -> tuple[int, int | str]:

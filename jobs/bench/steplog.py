@@ -1,8 +1,14 @@
 """What a rollout benchmark keeps of each measured step of one mode, and the figures it reports from
-them: shared by the Ray bench (`jobs/bench/rollout.py`) and the in-process one (`jobs/bench/schedule.py`)."""
+them: shared by the Ray bench (`jobs/bench/rollout.py`) and the in-process one (`jobs/bench/schedule.py`).
+And what the in-process one keeps of each engine step (`StepRecorder`): the features `jobs.simulate
+--calibrate` fits step costs on (sim/calibrate.py), and the step's CPU time."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
+
+from sim.calibrate import FEATURES
 
 COUNTERS = {"engine_decoded_tokens": "num_generated_tokens", "engine_prefill_tokens": "num_prefill_tokens",
             "engine_reused_kv_tokens": "num_reused_tokens", "engine_busy_s": "busy_s", "engine_cpu_s": "cpu_s"}
@@ -63,3 +69,72 @@ class StepLog:
 
 def public(res: dict) -> dict:
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items() if not k.startswith("_")}
+
+
+class StepRecorder:
+    """Wraps one `LLMEngine`'s `step` (from outside, for the measurement) and keeps each step's features
+    and CPU time, and the thread's CPU between steps (the front end, the workers and the monitor).
+
+    `gaps`: per step, the thread's CPU since the last step any recorder of the run timed (-1 for the
+    run's first): the other work the step follows on its core (`fit_by_gap` checks the fit against it)."""
+
+    _last_any: float | None = None
+    """Thread CPU time when the last recorded step of any engine of the run ended (all run on one
+    thread; `new_run` forgets it)."""
+
+    @classmethod
+    def new_run(cls) -> None:
+        """A new bench run starts (its first step follows no recorded one)."""
+        cls._last_any = None
+
+    def __init__(self, engine):
+        self.engine, self.inner, self.rows, self.gaps = engine, engine.step, [], []
+        self.between_s, self.last = 0.0, None
+        self.boundary_s, self.aborted = 0.0, 0
+        self.inner_abort_all = engine.abort_all
+        engine.step, engine.abort_all = self.step, self.abort_all
+
+    def abort_all(self):
+        outs = self.inner_abort_all()
+        self.aborted += len(outs)
+        return outs
+
+    def step(self):
+        e = self.engine
+        t_in = time.thread_time()
+        if self.last is not None:
+            self.between_s += t_in - self.last
+        from april_ray.engine.model_runner import decode_segments
+
+        running = len(e.scheduler.running)
+        context = sum(s.num_tokens for s in e.scheduler.running)
+        segments = decode_segments([s.num_tokens - 1 for s in e.scheduler.running]) if running else []
+        attended = sum((end - start) * span for start, end, span in segments)
+        n0, r0, g0, t0 = e.num_prefill_tokens, e.num_reused_tokens, e.num_regroups, time.thread_time()
+        outs = self.inner()
+        dt = time.thread_time() - t0
+        prefilled, rows = e.num_prefill_tokens - n0, e.occupancy[-1][1]
+        self.rows.append((1.0, rows, context, prefilled, float(prefilled > 0), rows - running,
+                          e.num_reused_tokens - r0, e.num_regroups - g0, attended, dt))
+        self.gaps.append(-1.0 if StepRecorder._last_any is None else t_in - StepRecorder._last_any)
+        self.last = StepRecorder._last_any = time.thread_time()
+        return outs
+
+    def boundary(self) -> None:
+        """A rollout step ends: the CPU since the engine's last step (the abort, parking the aborted caches,
+        the store) is the step boundary's."""
+        if self.last is not None:
+            self.boundary_s += time.thread_time() - self.last
+        self.last = None
+
+    def between(self, process_cpu_s: float, boundary_apart: bool = True) -> dict:
+        """The process's CPU outside the engine's steps (`process_cpu_s` less the steps' own): the engine
+        thread's between them and every other thread's (the reward runner's, one per finished sample; on
+        the bench's one core all of it holds the engine up, and the thread's own `between_s` misses it),
+        less the step boundaries' if `boundary_apart`; and the steps and requests it is spread over
+        (`between_costs`)."""
+        outside = process_cpu_s - sum(row[-1] for row in self.rows)
+        admitted = FEATURES.index("admitted")
+        return {"between_s": outside - self.boundary_s if boundary_apart else outside,
+                "between_thread_s": self.between_s, "steps": len(self.rows),
+                "requests": sum(row[admitted] for row in self.rows)}
