@@ -58,7 +58,6 @@ class CompletionMonitorActor:
                  reward_per_group: bool = False):
         """`reward_per_group`: task.reward_per_group (each engine call takes its group's finished samples)."""
         pool = RayEnginePool(engines, capacities, reward_per_group)
-        self.reward_per_group = reward_per_group
         self.monitor = CompletionMonitor(cfg, pool, RayProxy(source), RayProxy(store), staleness)
         self.metrics = MonitorMetrics(cfg, len(engines))
 
@@ -73,24 +72,15 @@ class CompletionMonitorActor:
         """Engines restarted and brought to the current weights by the driver (driver/engines.py)."""
         self.monitor.revive(engines)
 
-    async def counters(self) -> dict:
+    async def dead_engines(self, known: list[int], step: int) -> list[int]:
+        """Returns once the dead engines differ from `known` or `step` has ended (the driver waits on it)."""
+        dead = await self.monitor.dead_engines(known, step)
         self.metrics.engines_seen(self.monitor.alive)
-        return {"returned_groups": self.monitor.num_returned_groups,
-                "dropped_groups": self.monitor.num_dropped_groups, "alive_engines": self.monitor.alive,
-                "over_sampling": self.monitor.over_sampling.state_dict(), "reward_per_group": self.reward_per_group}
+        return dead
 
-    async def restore_counters(self, counters: dict) -> None:
-        """With the store restored beside it: what the monitor kept of the stored samples (their handles
-        and metas, by sample id) is of samples no longer there, and the source may hand the ids out again.
-        The stored groups were scored one way (a group's finished samples wait unscored under
-        task.reward_per_group), so a resume must score them the same way."""
-        if counters.get("reward_per_group", False) != self.reward_per_group:
-            raise ValueError(f"task.reward_per_group={str(self.reward_per_group).lower()}, but the checkpoint's "
-                             f"store was filled with task.reward_per_group={str(not self.reward_per_group).lower()}; "
-                             f"resume with the value it was saved with, or start over (train.start_over=true)")
-        self.monitor.num_returned_groups = counters["returned_groups"]
-        self.monitor.num_dropped_groups = counters["dropped_groups"]
-        if counters.get("over_sampling"):  # the auto N' goes on from where it was (absent before it existed)
-            self.monitor.over_sampling.load_state_dict(counters["over_sampling"])
-        self.monitor.finished_handles.clear()
-        self.monitor.finished_metas.clear()
+    async def state_dict(self) -> dict:
+        """The monitor's part of a checkpoint: the accounting counters and the auto N'."""
+        return self.monitor.state_dict()
+
+    async def load_state_dict(self, state: dict) -> None:
+        self.monitor.load_state_dict(state)

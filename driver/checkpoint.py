@@ -139,7 +139,7 @@ def set_aside(out_dir: Path, log=print) -> Path | None:
 def save_checkpoint(out_dir: Path, step: int, version: int, learners, rollout) -> Path:
     """Everything a resume needs, taken between two steps (after `step`, at policy `version`)."""
     source, store, monitor = ray.get([rollout.source.state_dict.remote(), rollout.store.state_dict.remote(),
-                                      rollout.monitor.counters.remote()])
+                                      rollout.monitor.state_dict.remote()])
     return write_checkpoint(out_dir, rollout_state(step, version, source, store, monitor), learners.save)
 
 
@@ -337,7 +337,7 @@ def restore_checkpoint(path: Path, learners, rollout, engines) -> tuple[int, int
     try:
         ray.get([rollout.source.load_state_dict.remote(state.get("source")),
                  rollout.store.load_state_dict.remote(state["store"]),
-                 rollout.monitor.restore_counters.remote(state["monitor"])])
+                 rollout.monitor.load_state_dict.remote(state["monitor"])])
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, ValueError):
             raise CheckpointError(f"{path / STATE_FILE}: {e.cause}") from None

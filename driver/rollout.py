@@ -34,18 +34,18 @@ class RolloutGroup:
         return cls(source, store, monitor, engines)
 
     def step(self, step: int, version: int, poll_s: float = 1.0):
-        """One rollout step (a `StepResult` of sample refs); meanwhile, engines the monitor lost are caught
-        up as soon as they are back and handed back to it, so a step goes on (or, with every engine dead,
-        resumes) without waiting for its end."""
+        """One rollout step (a `StepResult` of sample refs). Meanwhile the driver waits on the monitor to say
+        an engine was lost; while any is, it tries every `poll_s` to catch it up once Ray has restarted it,
+        and hands it back, so a step goes on (or, with every engine dead, resumes) without waiting for its end."""
         ref = self.monitor.step.remote(step, version)
-        while True:
-            alive = ray.get(self.monitor.counters.remote())["alive_engines"]
-            dead = [e for e, ok in enumerate(alive) if not ok]
+        while not ray.wait([ref], timeout=0)[0]:
+            dead = ray.get(self.monitor.dead_engines.remote([], step))  # returns at a death, or the step's end
             back = self.engines.catch_up(dead, wait_s=poll_s) if dead else []
             if back:
                 ray.get(self.monitor.revive.remote(back))
-            if ray.wait([ref], timeout=poll_s)[0]:
-                return ray.get(ref)
+            elif dead:
+                ray.wait([ref], timeout=poll_s)
+        return ray.get(ref)
 
     def shutdown(self) -> None:
         for actor in (self.source, self.store, self.monitor):

@@ -29,10 +29,8 @@ def save_policy(path):
 
 
 def checkpoint_of(out, step, source, store, monitor, version=None):
-    counters = {"returned_groups": monitor.num_returned_groups, "dropped_groups": monitor.num_dropped_groups,
-                "over_sampling": monitor.over_sampling.state_dict()}
     state = rollout_state(step, step + 1 if version is None else version, source.state_dict(), store.state_dict(),
-                          counters)
+                          monitor.state_dict())
     return write_checkpoint(out, state, save_policy)
 
 
@@ -48,8 +46,7 @@ def test_rollout_state_round_trips_through_json_and_the_run_goes_on_exactly_once
     monitor2, _, source2, store2, engines2 = make_rollout_parts(c, seed=3)  # a new process
     source2.load_state_dict(state["source"])
     store2.load_state_dict(state["store"])
-    monitor2.num_returned_groups = state["monitor"]["returned_groups"]
-    monitor2.num_dropped_groups = state["monitor"]["dropped_groups"]
+    monitor2.load_state_dict(state["monitor"])
     for gid, g in store.partial.items():  # every sample exactly as saved: ids, logprobs, versions, state
         assert [asdict(s) for s in store2.partial[gid].samples] == [asdict(s) for s in g.samples]
         assert any(s.logprobs for s in g.samples)

@@ -48,7 +48,7 @@ def run_steps(cfg, model_dir, engines, num_steps, first_step=0, actors=None):
             assert len(s.response_ids) == len(s.logprobs) == len(s.versions) <= cfg.sampling.max_response_len
             assert max(s.versions) <= step
         taken = ray.get(actors.source.num_groups_taken.remote())
-        counters = ray.get(actors.monitor.counters.remote())
+        counters = ray.get(actors.monitor.state_dict.remote())
         assert taken == counters["returned_groups"] + counters["dropped_groups"] + ray.get(actors.store.size.remote())
         results.append((result, samples))
         ray.get([e.update_weights.remote(weights, step + 1) for e in engines.actors])
@@ -112,12 +112,12 @@ def test_checkpoint_store_and_cursor_mid_run_restores_without_loss(local_ray, tm
     engines = engines_of(cfg, model_dir)
     actors, first = run_steps(cfg, model_dir, engines, 2)
     saved = (ray.get(actors.source.state_dict.remote()), ray.get(actors.store.state_dict.remote()),
-             ray.get(actors.monitor.counters.remote()))
+             ray.get(actors.monitor.state_dict.remote()))
     waiting = {g["group_id"] for g in saved[1]["partial"]}
     actors.shutdown()  # the rollout side "crashes"; a new one restores from the checkpoint
     fresh = start_rollout(cfg, model_dir, engines)
     ray.get([fresh.source.load_state_dict.remote(saved[0]), fresh.store.load_state_dict.remote(saved[1]),
-             fresh.monitor.restore_counters.remote(saved[2])])
+             fresh.monitor.load_state_dict.remote(saved[2])])
     _, later = run_steps(cfg, model_dir, engines, 3, first_step=2, actors=fresh)
     before = {s.group_id for _, samples in first for s in samples}
     after = [s.group_id for _, samples in later for s in samples]
@@ -130,7 +130,7 @@ def test_checkpoint_store_and_cursor_mid_run_restores_without_loss(local_ray, tm
     other = CompletionMonitorActor.remote(cfg.rollout, cfg.staleness, engines.actors, engines.capacities,
                                           fresh.source, fresh.store, reward_per_group=True)
     with pytest.raises(ray.exceptions.RayTaskError, match="task.reward_per_group=true, but the checkpoint"):
-        ray.get(other.restore_counters.remote(saved[2]))
+        ray.get(other.load_state_dict.remote(saved[2]))
 
 
 def partial_groups(store) -> list:
@@ -162,7 +162,7 @@ def test_a_killed_engine_loses_no_sample(local_ray, tmp_path, model_dir, engines
     ray.kill(engines.actors[victim])
     engines.actors = [a for e, a in enumerate(engines.actors) if e != victim]  # weight pushes: survivor only
     actors, results = run_steps(cfg, model_dir, engines, 3, first_step=step + 1, actors=actors)
-    assert ray.get(actors.monitor.counters.remote())["alive_engines"] == [e != victim for e in (0, 1)]
+    assert ray.get(actors.monitor.dead_engines.remote([], -1)) == [victim]  # answers at once: step -1 has ended
     returned = {s.group_id for _, samples in results for s in samples}
     state = ray.get(actors.store.state_dict.remote())
     still = {g["group_id"] for g in state["partial"] + state["complete"]}
@@ -192,7 +192,7 @@ def test_samples_aborted_by_someone_else_mid_step_are_resumed_in_the_same_step(l
     assert all(s.state == SampleState.FINISHED for s in samples) and len({s.sample_id for s in samples}) == len(samples)
     assert any(s.num_resumes for s in samples)
     taken = ray.get(actors.source.num_groups_taken.remote())
-    counters = ray.get(actors.monitor.counters.remote())
+    counters = ray.get(actors.monitor.state_dict.remote())
     assert taken == counters["returned_groups"] + counters["dropped_groups"] + ray.get(actors.store.size.remote())
 
 
@@ -235,7 +235,7 @@ def test_an_engine_sigkilled_mid_step_is_restarted_caught_up_and_the_run_goes_on
             seen.add(s.sample_id)
             assert max(s.versions) <= step
         taken = ray.get(actors.source.num_groups_taken.remote())
-        counters = ray.get(actors.monitor.counters.remote())
+        counters = ray.get(actors.monitor.state_dict.remote())
         assert taken == counters["returned_groups"] + counters["dropped_groups"] + ray.get(actors.store.size.remote())
         engines.publish(weights, step + 1)
     assert killed and sum(crashes) == 1, (killed, crashes)  # the kill landed mid-step, and was seen once
@@ -247,7 +247,7 @@ def test_an_engine_sigkilled_mid_step_is_restarted_caught_up_and_the_run_goes_on
     after = ray.get(engines.actors[victim].status.remote())
     assert after["pid"] != before["pid"] and after["incarnation"] != before["incarnation"] and engines.restarts == 1
     assert after["serving"] and after["version"] == 6  # caught up to the version published while it was down
-    assert ray.get(actors.monitor.counters.remote())["alive_engines"] == [True, True]
+    assert ray.get(actors.monitor.dead_engines.remote([], -1)) == []
     assert all(st is not None and st.num_generated_tokens > 0 for st in engines.stats())  # both serve again
 
 

@@ -379,15 +379,20 @@ def test_engines_all_dead_mid_step_wait_for_revival_and_lose_nothing():
             rollout.revive([1])
 
         t0, step = rollout.clock(), asyncio.ensure_future(rollout.step(1, 0))
+        deaths = asyncio.ensure_future(rollout.dead_engines([], 1))  # what the driver waits on
         await chaos(t0, step)
+        assert deaths.done() and set(deaths.result()) <= {0, 1} and deaths.result()  # told at the first death
         r1 = await step
         check_invariants(r1, rollout, source, store, c, seen)
         assert rollout.alive == [False, True]
+        assert await rollout.dead_engines([1], 1) == [0]  # differs from what the caller knew: at once
         assert r1.metrics["rollout/engine_crashes"] == 2 and r1.metrics["rollout/crash_tokens_lost"] > 0
         pool.restart(0)
         rollout.revive([0])
+        quiet = asyncio.ensure_future(rollout.dead_engines([], 2))
         r2 = await rollout.step(2, 0)  # the engine taken back gets work again
         check_invariants(r2, rollout, source, store, c, seen)
+        assert await quiet == []  # no death in step 2: the wait ended with the step
         assert r2.metrics["rollout/engine_crashes"] == 0 and r2.metrics["rollout/crash_tokens_lost"] == 0
         return r1
 

@@ -81,6 +81,10 @@ class CompletionMonitor:
         self.token_rate = 0.0
         """Tokens per second per sequence in the last step's returned calls (the crash-loss estimate)."""
         self._revived: asyncio.Event | None = None
+        self._liveness: asyncio.Event | None = None
+        """Set when an engine is lost or revived, or a step ends: what `dead_engines` waits on."""
+        self.last_step = -1
+        """The last step that ended (finished or failed)."""
         self.heard_s = [0.0] * len(pool.capacities)
         """When each engine last returned a call: it was alive then."""
         self.finished_handles: dict[str, Any] = {}
@@ -97,8 +101,54 @@ class CompletionMonitor:
         """Seconds on the event loop's clock (monotonic)."""
         return asyncio.get_running_loop().time()
 
+    # -- what lives across steps -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the monitor (the store and the source keep the rest)."""
+        return {"returned_groups": self.num_returned_groups, "dropped_groups": self.num_dropped_groups,
+                "over_sampling": self.over_sampling.state_dict(), "reward_per_group": self.pool.reward_per_group}
+
+    def load_state_dict(self, state: dict) -> None:
+        """With the store restored beside it: what the monitor kept of the stored samples (their handles
+        and metas, by sample id) is of samples no longer there, and the source may hand the ids out again.
+        The stored groups were scored one way (a group's finished samples wait unscored under
+        task.reward_per_group), so a resume must score them the same way."""
+        ours = self.pool.reward_per_group
+        if state.get("reward_per_group", False) != ours:
+            raise ValueError(f"task.reward_per_group={str(ours).lower()}, but the checkpoint's store was filled "
+                             f"with task.reward_per_group={str(not ours).lower()}; resume with the value it was "
+                             f"saved with, or start over (train.start_over=true)")
+        self.num_returned_groups = state["returned_groups"]
+        self.num_dropped_groups = state["dropped_groups"]
+        if state.get("over_sampling"):  # the auto N' goes on from where it was (absent before it existed)
+            self.over_sampling.load_state_dict(state["over_sampling"])
+        self.finished_handles.clear()
+        self.finished_metas.clear()
+
+    def dead(self) -> list[int]:
+        return [e for e, ok in enumerate(self.alive) if not ok]
+
+    async def dead_engines(self, known: list[int], step: int) -> list[int]:
+        """The engines now dead, as soon as that differs from `known`, or once `step` has ended: what the
+        driver waits on to bring lost engines back (it learns of a death when the monitor does)."""
+        while self.dead() == list(known) and self.last_step < step:
+            self._liveness = self._liveness or asyncio.Event()
+            await self._liveness.wait()
+            self._liveness = None
+        return self.dead()
+
+    def _liveness_changed(self) -> None:
+        if self._liveness is not None:
+            self._liveness.set()
+
     # -- one step ---------------------------------------------------------------------------------------
     async def step(self, step: int, version: int) -> StepResult:
+        try:
+            return await self._step(step, version)
+        finally:
+            self.last_step = max(self.last_step, step)
+            self._liveness_changed()
+
+    async def _step(self, step: int, version: int) -> StepResult:
         t0 = self.clock()
         s = StepState(step, version, (self.run_id, step), EngineLoads(self.pool.capacities))
         for group in await self.store.take_complete():  # surplus of the previous step comes first
@@ -150,6 +200,7 @@ class CompletionMonitor:
             self.alive[e] = True
         if engines and self._revived is not None:
             self._revived.set()
+        self._liveness_changed()
 
     @staticmethod
     def _call_error(s: StepState) -> str | None:
@@ -266,6 +317,7 @@ class CompletionMonitor:
             self.alive[call.engine] = False
             s.engine_crashes += 1
             self.num_engine_crashes += 1
+            self._liveness_changed()
         rate = s.generated_tokens / s.sample_seconds if s.sample_seconds else self.token_rate
         s.crash_tokens_lost += len(call.indices) * rate * max(0.0, self.heard_s[call.engine] - call.sent_s)
 

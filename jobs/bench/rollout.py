@@ -77,7 +77,7 @@ class Mode:
     def result(self) -> dict:
         actors = self.actors
         taken = ray.get(actors.source.num_groups_taken.remote())
-        counters = ray.get(actors.monitor.counters.remote())
+        counters = ray.get(actors.monitor.state_dict.remote())
         stored = ray.get(actors.store.size.remote())
         actors.shutdown()
         unaccounted = taken - counters["returned_groups"] - counters["dropped_groups"] - stored
