@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 import ray
 from ray.exceptions import OutOfMemoryError, RayActorError
 
 from actors.metrics import MonitorMetrics
-from actors.refs import SampleRef, as_handles
+from actors.refs import SampleRef
 from april_ray.config import RolloutConfig, StalenessConfig
 from april_ray.engine.base import EngineFailure
 from april_ray.rollout.monitor import CompletionMonitor
@@ -63,8 +62,6 @@ class CompletionMonitorActor:
 
     async def step(self, step: int, version: int):
         result = await self.monitor.step(step, version)
-        # Groups carried over from the store (after a monitor restart) hold values: give them handles too.
-        result = replace(result, groups=as_handles(result.groups), dropped_groups=as_handles(result.dropped_groups))
         self.metrics.record(result.metrics, result.staleness, self.monitor.alive)
         return result
 

@@ -43,12 +43,3 @@ async def fetch_async(handles) -> list:
     resolved here."""
     refs = _refs(handles)
     return _pick(dict(zip(refs, await asyncio.gather(*refs))), handles)
-
-
-def as_handles(groups: list[list]) -> list[list]:
-    """Give values (groups that came back from the store) handles too, with one `ray.put` for all of them."""
-    values = [s for g in groups for s in g if not isinstance(s, (SampleRef, ray.ObjectRef))]
-    if not values:
-        return groups
-    ref, i = ray.put(values), iter(range(len(values)))
-    return [[s if isinstance(s, (SampleRef, ray.ObjectRef)) else SampleRef(ref, next(i)) for s in g] for g in groups]

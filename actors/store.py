@@ -1,16 +1,19 @@
 """PartialRolloutStore actor: a shell around `april_ray.rollout.store.PartialRolloutStore`.
 
 Groups arrive with object refs in place of samples; the store fetches them itself, so the values live
-here (and in checkpoints) and do not depend on the monitor that created the refs staying alive.
+here (and in checkpoints) and do not depend on the monitor that created the refs staying alive. Groups
+leave the same way: one `ray.put` of their samples, and the monitor gets handles and metas, never the
+tokens, which go from here to the engine (or the learner) that fetches them.
 """
 from __future__ import annotations
 
 import ray
 
 from actors.metrics import StoreMetrics
-from actors.refs import fetch
+from actors.refs import SampleRef, fetch
 from april_ray.config import StalenessConfig
-from april_ray.rollout.store import PartialRolloutStore, resolve_groups
+from april_ray.rollout.store import PartialRolloutStore, held, resolve_groups
+from april_ray.types import Group, HeldGroup
 
 
 def _fetch(groups):
@@ -18,6 +21,14 @@ def _fetch(groups):
     # synchronous for this: its calls come one at a time from the monitor anyway.
     values = iter(fetch([s for g in groups for s in g.samples]))
     return resolve_groups(groups, lambda _: next(values))
+
+
+def _held(groups: list[Group]) -> list[HeldGroup]:
+    samples = [s for g in groups for s in g.samples]
+    if not samples:
+        return []
+    ref, index = ray.put(samples), iter(range(len(samples)))
+    return [held(g, [SampleRef(ref, next(index)) for _ in g.samples]) for g in groups]
 
 
 @ray.remote(num_cpus=0)
@@ -32,11 +43,11 @@ class StoreActor:
     def put_complete(self, groups) -> None:
         self.store.put_complete(_fetch(groups))
 
-    def take_complete(self):
-        return self.store.take_complete()
+    def take_complete(self) -> list[HeldGroup]:
+        return _held(self.store.take_complete())
 
-    def take_partial(self, max_groups: int, version: int):
-        return self.store.take_partial(max_groups, version)
+    def take_partial(self, max_groups: int, version: int) -> list[HeldGroup]:
+        return _held(self.store.take_partial(max_groups, version))
 
     def size(self) -> int:
         return len(self.store)

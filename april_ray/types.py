@@ -181,6 +181,8 @@ class SampleMeta:
     """Model tokens per policy version (derived from the per-token record, never a side counter)."""
     num_env_tokens: int = 0
     """Environment tokens in the response (a multi-turn episode's tool results)."""
+    in_episode: bool = False
+    """The sample carries a multi-turn episode's state (it goes on at its turn when resumed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +201,20 @@ class Group:
     @property
     def is_complete(self) -> bool:
         return all(s.state == SampleState.FINISHED for s in self.samples)
+
+
+@dataclass(frozen=True, slots=True)
+class HeldGroup:
+    """A group as the store hands it back to the monitor: its samples behind handles (object refs on Ray),
+    which only an engine or a learner fetches, beside the metas the monitor reads."""
+
+    group_id: str
+    prompt_index: int
+    handles: list[Any]
+    metas: list[SampleMeta]
+    created_step: int = 0
+    engine: int = -1
+    """Engine its samples last ran on (`Group.engine`)."""
 
 
 @dataclass(frozen=True, slots=True)

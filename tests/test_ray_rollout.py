@@ -13,7 +13,7 @@ from april_ray.placement import plan
 from april_ray.task.data import dataset_paths
 from driver.engines import EngineGroup
 from driver.rollout import RolloutGroup
-from april_ray.types import SampleState
+from april_ray.types import Group, SampleState
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +137,8 @@ def partial_groups(store) -> list:
     """The store's partial groups with the engine each last ran on (its JSON state leaves that out): taken
     out and put back, in the same order."""
     groups = ray.get(store.take_partial.remote(1 << 20, 0))
-    ray.get(store.put_partial.remote(groups))
+    ray.get(store.put_partial.remote([Group(g.group_id, g.prompt_index, g.handles, g.created_step, g.engine)
+                                      for g in groups]))
     return groups
 
 

@@ -49,7 +49,7 @@ def sample_meta(sample: Sample, num_new_tokens: int) -> SampleMeta:
     counts = dict(sorted(Counter(sample.model_versions).items()))
     model = sample.num_model_tokens
     return SampleMeta(sample.sample_id, sample.group_id, sample.state, num_new_tokens, model, sample.reward, counts,
-                      len(sample.response_ids) - model)
+                      len(sample.response_ids) - model, sample.episode is not None)
 
 
 def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig, task: TaskConfig,

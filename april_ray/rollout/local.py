@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from april_ray.engine.base import EngineFailure
-from april_ray.rollout.store import resolve_groups
+from april_ray.rollout.store import held, resolve_groups
 
 
 class LocalHandle:
@@ -85,6 +85,7 @@ class LocalProxy:
 
         async def call(*args):
             args = [resolve_groups(a, resolve) if name.startswith("put_") else a for a in args]
-            return fn(*args)
+            out = fn(*args)
+            return [held(g, g.samples) for g in out] if name.startswith("take_") else out
 
         return call

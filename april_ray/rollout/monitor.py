@@ -30,10 +30,10 @@ from typing import Any, Awaitable, Protocol
 
 from april_ray.config import RolloutConfig, StalenessConfig
 from april_ray.engine.base import EngineFailure
-from april_ray.rollout.engine_worker import sample_meta
 from april_ray.rollout.over_sampling import build_over_sampling
+from april_ray.rollout.store import held
 from april_ray.rollout.step_state import Call, EngineLoads, Flight, StepState
-from april_ray.types import Group, SampleMeta, SampleState, StepResult
+from april_ray.types import HeldGroup, SampleMeta, SampleState, StepResult
 
 
 class StepFailed(RuntimeError):
@@ -92,9 +92,8 @@ class CompletionMonitor:
         the store unfinished: when the group comes back, the batch reuses the handle instead of making
         a new object of the store's copy (on Ray, a `ray.put` per sample)."""
         self.finished_metas: dict[str, SampleMeta] = {}
-        """Sample id -> its meta (as of no new tokens), for the same samples: a finished sample does not
-        change in the store, so its meta is not derived again from its tokens at every step its group
-        comes back (`sample_meta` counts the versions of every token)."""
+        """Sample id -> its meta (as of no new tokens), for the same samples: the meta the store hands back
+        beside its handle is of the same unchanged sample."""
 
     @staticmethod
     def clock() -> float:
@@ -227,22 +226,22 @@ class CompletionMonitor:
             groups = [] if s.store_empty else await self.store.take_partial(need, s.version)
             s.store_empty = len(groups) < need
             s.num_resumed += len(groups)
-            s.num_episodes_resumed += sum(x.state == SampleState.PARTIAL and x.episode is not None
-                                          for g in groups for x in g.samples)
+            s.num_episodes_resumed += sum(m.state == SampleState.PARTIAL and m.in_episode
+                                          for g in groups for m in g.metas)
             fresh = await self.source.take(need - len(groups), s.step) if need > len(groups) else []
             s.num_fresh += len(fresh)
-            for g in groups + fresh:
+            for g in groups + [held(g, g.samples) for g in fresh]:  # a fresh sample is a prompt: sent as a value
                 self._register(s, g, dispatch=True)
         self._dispatch(s)
         return None
 
-    def _register(self, s: StepState, group: Group, dispatch: bool) -> None:
+    def _register(self, s: StepState, group: HeldGroup, dispatch: bool) -> None:
         assert group.group_id not in s.flights, f"group {group.group_id} is in flight twice"
         flight = s.flights[group.group_id] = Flight.of(group)
-        for i, sample in enumerate(group.samples):
-            if sample.state == SampleState.FINISHED:
-                flight.metas[i] = self.finished_metas.get(sample.sample_id) or sample_meta(sample, 0)
-                flight.handles[i] = self.finished_handles.get(sample.sample_id, sample)
+        for i, meta in enumerate(group.metas):
+            if meta.state == SampleState.FINISHED:
+                flight.metas[i] = self.finished_metas.get(meta.sample_id, meta)
+                flight.handles[i] = self.finished_handles.get(meta.sample_id, group.handles[i])
         if dispatch and not flight.complete:
             s.queue.append(group.group_id)
 
@@ -285,7 +284,7 @@ class CompletionMonitor:
             metas = fut.result()
         except Exception as e:  # the samples keep the state and handles they were sent with
             for i in call.indices:
-                flight.states[i] = flight.metas[i].state if flight.metas[i] else flight.group.samples[i].state
+                flight.states[i] = (flight.metas[i] or flight.group.metas[i]).state
             if isinstance(e, EngineFailure):  # resend them to a live engine
                 self._lost(s, call)
                 s.queue.appendleft(call.group_id)

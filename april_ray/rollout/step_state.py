@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from april_ray.types import Group, SampleMeta, SampleState
+from april_ray.types import Group, HeldGroup, SampleMeta, SampleState
 
 
 class EngineLoads:
@@ -88,9 +88,10 @@ class Completions:
 
 @dataclass
 class Flight:
-    """A group during one step: per sample, its latest handle (or the value it entered with) and state."""
+    """A group during one step: per sample, its latest handle (or the value it entered with), its state and,
+    for a finished sample, its meta."""
 
-    group: Group
+    group: HeldGroup
     handles: list[Any]
     states: list[SampleState]
     metas: list[SampleMeta | None]
@@ -98,8 +99,8 @@ class Flight:
     """Engine of its latest call (where its samples' KV caches are parked after an abort)."""
 
     @classmethod
-    def of(cls, group: Group) -> "Flight":
-        return cls(group, list(group.samples), [s.state for s in group.samples], [None] * len(group.samples),
+    def of(cls, group: HeldGroup) -> "Flight":
+        return cls(group, list(group.handles), [m.state for m in group.metas], [None] * len(group.metas),
                    group.engine)
 
     @property

@@ -14,7 +14,8 @@ from collections import OrderedDict
 from dataclasses import replace
 
 from april_ray.config import StalenessConfig
-from april_ray.types import FinishReason, Group, Sample, SampleState
+from april_ray.rollout.engine_worker import sample_meta
+from april_ray.types import FinishReason, Group, HeldGroup, Sample, SampleState
 
 
 class PartialRolloutStore:
@@ -191,6 +192,12 @@ def group_from_json(d: dict, where: str) -> Group:
         if s.group_id != gid:
             raise ValueError(f"{where}.samples[{i}].group_id: {s.group_id!r} in group {gid!r}")
     return Group(gid, _field(d, "prompt_index", int, where), samples, _field(d, "created_step", int, where))
+
+
+def held(group: Group, handles: list) -> HeldGroup:
+    """`group` as the monitor takes it from the store: a handle per sample, and its meta."""
+    return HeldGroup(group.group_id, group.prompt_index, handles, [sample_meta(s, 0) for s in group.samples],
+                     group.created_step, group.engine)
 
 
 def resolve_groups(groups: list[Group], resolve) -> list[Group]:
