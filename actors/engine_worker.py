@@ -97,11 +97,11 @@ class EngineWorkerActor:
         return await self.status()
 
     async def server_url(self) -> str:
-        """engine.backend=sglang: where this engine's server answers (the learner sends weights there)."""
+        """A server backend (engine.backend cpu_http, sglang): where this engine's server answers (the learner sends weights there)."""
         return self.worker.engine.url
 
     async def server_access(self) -> tuple[str, str, str]:
-        """engine.backend=sglang: (URL, admin key) of this engine's server, for a learner to send it weights,
+        """A server backend: (URL, admin key) of this engine's server, for a learner to send it weights,
         and this process's incarnation (`update_weights` checks it)."""
         return self.worker.engine.url, self.worker.engine.admin_api_key, self.incarnation
 

@@ -35,7 +35,7 @@ class LearnerActor:
                                rank=rank, world_size=world_size, master_port=master[1], seed=seed)
         self.sender = build_sender(engine_cfg.weight_sync, rank, world_size,
                                    flush_cache=not engine_cfg.reuse_stale_kv, bucket_mb=engine_cfg.weight_bucket_mb,
-                                   backend="gloo" if engine_cfg.server == "cpu" else "nccl",
+                                   backend=engine_cfg.broadcast_backend,
                                    tp_size=engine_cfg.tp_size, node_address=ray.util.get_node_ip_address(),
                                    disk_path=weights_dir, base_model_dir=model_path, put=ray.put)
 

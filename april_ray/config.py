@@ -152,8 +152,11 @@ class TaskConfig:
 
 @dataclass
 class EngineConfig:
-    backend: str = one_of("cpu", "cpu", "sglang")
-    """cpu: the embedded continuous-batching engine inside each engine actor. sglang: SGLang servers."""
+    backend: str = one_of("cpu", "cpu", "cpu_http", "sglang")
+    """cpu: our continuous-batching engine inside each engine actor. cpu_http: our engine in a server of its
+    own (april_ray/engine/http_server.py) spoken to over SGLang's HTTP API, on CPU: the GPU path's client,
+    aborts, pauses, keys and weight channels on a laptop. sglang: `sglang.launch_server` on the actor's GPUs
+    (the `sglang` extra). The last two are the server backends."""
     num_engines: int = positive(2)
     """Engine actors (each one an inference server with its own batch)."""
     max_num_seqs: int = positive(64)
@@ -173,28 +176,29 @@ class EngineConfig:
     computed (PipelineRL-style; its new tokens' behaviour logprobs are still exactly what sampled them,
     so truncated IS corrects for the stale context). false: only caches of the current weights.
     sglang: a weight update keeps the server's prefix cache (no flush_cache); false flushes it."""
-    server: str = one_of("sglang", "sglang", "cpu")
-    """sglang backend: which server each engine actor starts. sglang: `sglang.launch_server` on the
-    actor's GPUs (the `sglang` extra). cpu: our engine's own server (april_ray/engine/http_server.py), same
-    API and client, on CPU."""
     host: str = "127.0.0.1"
-    """sglang backend: the address servers bind to. Learners on other nodes need an address they reach
+    """server backends: the address servers bind to. Learners on other nodes need an address they reach
     (this node's, or 0.0.0.0 on a trusted network); every server needs a key either way (random, per server;
     README, Security)."""
     tp_size: int = positive(1)
-    """sglang backend: tensor-parallel size of each SGLang server (= placement.engine_gpus)."""
+    """server backends: tensor-parallel size of each SGLang server (= placement.engine_gpus)."""
     mem_fraction: float = probability(0.8)
     """sglang backend: SGLang's --mem-fraction-static (weights plus KV cache, share of GPU memory)."""
     startup_timeout_s: float = positive(600.0)
-    """sglang backend: how long a server may take to answer /health before the job fails with its log."""
+    """server backends: how long a server may take to answer /health before the job fails with its log."""
     weight_sync: str = one_of("object_store", "object_store", "broadcast", "tensor", "disk")
     """How new weights reach the engines. object_store: rank 0 puts them once, each engine actor loads them
     (into its server by shared memory). broadcast: rank 0 broadcasts into every server (NCCL; gloo with
-    engine.server=cpu), disaggregated. tensor: each rank hands them by handle to the server on its own GPU
+    engine.backend=cpu_http), disaggregated. tensor: each rank hands them by handle to the server on its own GPU
     (CUDA IPC), colocated; the servers release memory while the learner trains. disk: a safetensors
     directory under train.output_dir that every server loads."""
     weight_bucket_mb: float = positive(512.0)
     """broadcast and tensor: weights go in buckets of about this size."""
+
+    @property
+    def broadcast_backend(self) -> str:
+        """The weight broadcast's torch.distributed backend: gloo into our CPU server, NCCL into SGLang's."""
+        return "gloo" if self.backend == "cpu_http" else "nccl"
 
     @property
     def releases_memory(self) -> bool:
@@ -492,11 +496,11 @@ def _check_engines(cfg: Config) -> None:
     e, p = cfg.engine, cfg.placement
     if e.backend == "cpu" and e.weight_sync != "object_store":
         raise ConfigError(f"engine.weight_sync: {e.weight_sync} sends weights to inference servers; the cpu backend "
-                          "has none (use object_store, or engine.backend=sglang)")
-    if e.backend == "sglang" and e.server == "sglang" and p.engine_gpus != e.tp_size:
+                          "has none (use object_store, or a server backend: engine.backend=cpu_http or sglang)")
+    if e.backend == "sglang" and p.engine_gpus != e.tp_size:
         raise ConfigError(f"placement.engine_gpus: an SGLang server runs on engine.tp_size={e.tp_size} GPUs, "
                           f"got {p.engine_gpus}")
-    if e.backend == "sglang" and e.tp_size > 1 and e.weight_sync in ("tensor", "object_store"):
+    if e.backend != "cpu" and e.tp_size > 1 and e.weight_sync in ("tensor", "object_store"):
         raise ConfigError(f"engine.weight_sync: {e.weight_sync} hands one payload to a server of one tensor-parallel "
                           f"rank; servers of engine.tp_size={e.tp_size} take broadcast or disk")
     if e.weight_sync == "tensor" and not (p.colocate and cfg.learner.num_ranks == e.num_engines):
@@ -542,7 +546,8 @@ def validate(cfg: Config) -> Config:
 
 RETIRED = {"rollout.partial_rollout": "rollout.schedule (april | sync | oversample)",
            "rollout.discard_unfinished": "rollout.schedule=oversample",
-           "rollout.over_sampling": "rollout.over_sampling_batch_size (an integer N', or auto)"}
+           "rollout.over_sampling": "rollout.over_sampling_batch_size (an integer N', or auto)",
+           "engine.server": "engine.backend (cpu | cpu_http | sglang; engine.server=cpu is engine.backend=cpu_http)"}
 """Keys that no longer exist -> what replaced them."""
 
 

@@ -211,7 +211,7 @@ class EngineGroup:
             time.sleep(1.0)
 
     def urls(self) -> list[str]:
-        """engine.backend=sglang: each engine's server, in engine order."""
+        """A server backend: each engine's server, in engine order."""
         return ray.get([e.server_url.remote() for e in self.actors])
 
     def stats(self, drain: bool = True) -> list:
@@ -287,4 +287,4 @@ def check_resources(layout: Layout) -> None:
         raise RuntimeError(f"the placement asks for {asked} ({len(layout.bundles)} bundles: {layout.bundles}) but "
                            f"the cluster has no {', '.join(missing)}: it has "
                            f"{ {k: v for k, v in present.items() if not k.startswith('node:')} }. Use a cluster "
-                           "with GPUs, or engine.server=cpu with placement.engine_gpus=0 (our CPU server)")
+                           "with GPUs, or engine.backend=cpu_http with placement.engine_gpus=0 (our CPU server)")

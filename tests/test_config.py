@@ -51,7 +51,7 @@ def test_more_learner_ranks_than_groups_in_a_batch_is_refused():
 
 
 def test_servers_of_several_tensor_parallel_ranks_need_a_weight_sync_that_reaches_every_rank():
-    base = ["engine.backend=sglang", "engine.server=sglang", "engine.tp_size=2", "placement.engine_gpus=2"]
+    base = ["engine.backend=sglang", "engine.tp_size=2", "placement.engine_gpus=2"]
     with pytest.raises(ConfigError, match=r"engine\.weight_sync: object_store .* engine\.tp_size=2"):
         load_config(None, base)
     assert load_config(None, base + ["engine.weight_sync=broadcast"]).engine.tp_size == 2

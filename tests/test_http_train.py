@@ -44,7 +44,7 @@ def test_training_over_http_with_weights_broadcast_into_the_servers(http_run, ra
 
 
 def test_sglang_server_on_a_cluster_without_gpus_fails_at_once(tmp_path, random_model_dir):
-    proc = train(tmp_path, random_model_dir, "train.num_steps=1", "engine.server=sglang", "placement.engine_gpus=1",
+    proc = train(tmp_path, random_model_dir, "train.num_steps=1", "engine.backend=sglang", "placement.engine_gpus=1",
                  timeout=300)
     assert proc.returncode != 0
     err = proc.stderr[-3000:]

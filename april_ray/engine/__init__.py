@@ -1,9 +1,9 @@
 """Engine backends behind one protocol (`base.Engine`); the backend is chosen once, here.
 
 - cpu: our engine inside the engine actor (`AsyncEngine` over `LLMEngine`).
-- sglang: an inference server started by the engine actor and spoken to over SGLang's HTTP API
-  (`sglang_client.SGLangEngine`): `sglang.launch_server` on the actor's GPUs, or our engine's own server
-  (`http_server.py`) with `engine.server=cpu`.
+- cpu_http and sglang: an inference server started by the engine actor and spoken to over SGLang's HTTP
+  API (`sglang_client.SGLangEngine`): our engine's own server (`http_server.py`), or `sglang.launch_server`
+  on the actor's GPUs.
 """
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ def _http_engine(cfg: EngineConfig, model_path: str, version: int, max_versions:
                          num_threads=cfg.num_threads, seed=cfg.seed, park_slots=cfg.park_slots,
                          max_versions=max_versions, startup_timeout_s=cfg.startup_timeout_s,
                          weight_version=str(version), weights_root=weights_root)
-    server = LAUNCHERS[cfg.server]().start(opts)
+    server = LAUNCHERS[cfg.backend]().start(opts)
     return SGLangEngine(server.url, version, cfg.max_model_len, server, flush_on_update=max_versions == 0,
                         bucket_mb=cfg.weight_bucket_mb)
 
 
-BACKENDS = {"cpu": _cpu_engine, "sglang": _http_engine}
+BACKENDS = {"cpu": _cpu_engine, "cpu_http": _http_engine, "sglang": _http_engine}

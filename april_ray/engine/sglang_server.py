@@ -179,9 +179,9 @@ class SGLangLauncher(Launcher):
 
     def check_installed(self) -> None:
         if importlib.util.find_spec("sglang") is None:
-            raise RuntimeError("engine.server=sglang needs SGLang, which is not installed in this environment "
+            raise RuntimeError("engine.backend=sglang needs SGLang, which is not installed in this environment "
                                f"({sys.executable}): pip install 'april-ray[sglang]' on the GPU nodes, "
-                               "or use engine.server=cpu")
+                               "or use engine.backend=cpu_http")
 
     def command(self, opts: ServerOptions, port: int) -> list[str]:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", opts.model_path,
@@ -193,7 +193,7 @@ class SGLangLauncher(Launcher):
 
 
 class CPUServerLauncher(Launcher):
-    name = "cpu"
+    name = "cpu_http"
 
     def command(self, opts: ServerOptions, port: int) -> list[str]:
         return [sys.executable, "-m", "april_ray.engine.http_server", "--model-path", opts.model_path,
@@ -205,4 +205,5 @@ class CPUServerLauncher(Launcher):
                 f"--weights-root={opts.weights_root}"]
 
 
-LAUNCHERS: dict[str, type[Launcher]] = {"sglang": SGLangLauncher, "cpu": CPUServerLauncher}
+LAUNCHERS: dict[str, type[Launcher]] = {"sglang": SGLangLauncher, "cpu_http": CPUServerLauncher}
+"""By `engine.backend`."""
