@@ -64,3 +64,16 @@ def test_run_seeded_gives_the_seeds_runs_have_always_drawn_with():
 
     assert [run_seeded(1234, s) for s in (0, 1, 2, 5)] == [1234, 9153, 17072, 40829]
     assert run_seeded(1234 + 3, 2) == 17075 and run_seeded(0, 7) == 55433
+
+
+def test_the_engine_backend_is_one_field_and_the_old_server_key_names_it(tmp_path):
+    """`engine.backend` holds the three engines (cpu | cpu_http | sglang); `engine.server` fails at start
+    naming what replaced it, from an override and from a YAML file."""
+    assert load_config(None, ["engine.backend=cpu_http", "engine.weight_sync=broadcast"]).engine.broadcast_backend == "gloo"
+    assert load_config(None, ["engine.backend=sglang", "placement.engine_gpus=1"]).engine.broadcast_backend == "nccl"
+    with pytest.raises(ConfigError, match=r"engine.server: no longer a key; use engine.backend .*cpu_http"):
+        load_config(None, ["engine.server=cpu"])
+    path = tmp_path / "old.yaml"
+    path.write_text("engine:\n  backend: sglang\n  server: cpu\n")
+    with pytest.raises(ConfigError, match=r"engine.server: no longer a key"):
+        load_config(str(path), [])
