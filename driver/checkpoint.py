@@ -119,14 +119,21 @@ def open_run(out_dir: Path, train, log=print, new_run: str | None = None) -> Pat
         if not train.start_over:
             what = "another run's checkpoints are" if foreign else "no usable checkpoint is"
             raise CheckpointError(
-                f"train.resume: {what} in {out_dir}; " + "; ".join(f"{p.name}: {why}" for p, why in rejected[:5])
-                + (f"; and {len(rejected) - 5} more" if len(rejected) > 5 else "")
-                + f". Nothing was changed. Repair or move them, or add train.start_over=true to start a new run "
+                f"train.resume: {what} in {out_dir}; {_rejections(rejected)}. Nothing was changed. Repair or move them, or add train.start_over=true to start a new run "
                   f"from step 0 (this directory's run files are moved to {out_dir / EARLIER_RUNS} first).")
         log(f"checkpoint: train.start_over: {len(rejected)} checkpoints rejected; starting a new run")
     set_aside(out_dir, log)
     start_run(out_dir, resume=False, new_run=new_run)
     return None
+
+
+def _rejections(rejected: list[tuple[Path, str]], most: int = 5) -> str:
+    """`ckpt-000004, ckpt-000009: why; ckpt-000010: why`: the checkpoints of one reason together."""
+    by_reason: dict[str, list[str]] = {}
+    for path, why in rejected:
+        by_reason.setdefault(why, []).append(path.name)
+    return "; ".join(", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+                     + f": {why}" for why, names in by_reason.items())
 
 
 def other_runs(out_dir: Path, run: str) -> list[tuple[Path, str]]:

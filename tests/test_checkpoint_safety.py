@@ -291,8 +291,9 @@ def test_a_resume_refuses_another_runs_checkpoints_by_name_and_changes_nothing(t
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
     (tmp_path / "run").write_text("another")
     before = files_and_rows(tmp_path)
-    with pytest.raises(CheckpointError, match=rf"another run's checkpoints are in {tmp_path}; ckpt-000000: belongs "
-                                              rf"to run {earlier}, not to run another .*; ckpt-000001: belongs"):
+    with pytest.raises(CheckpointError, match=rf"another run's checkpoints are in {tmp_path}; ckpt-000000, "
+                                              rf"ckpt-000001: belongs to run {earlier}, not to run another that "
+                                              rf"{tmp_path}/run names\. Nothing was changed"):
         open_run(tmp_path, TrainConfig(resume=True), log=lambda _: None)
     assert files_and_rows(tmp_path) == before
     assert open_run(tmp_path, TrainConfig(resume=True, start_over=True), log=lambda _: None) is None
