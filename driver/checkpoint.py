@@ -67,13 +67,10 @@ def named_by_latest(out_dir: Path) -> Path | None:
     return out_dir / name
 
 
-def _run_file(out_dir: Path) -> str | None:
+def current_run(out_dir: Path) -> str | None:
+    """The run id the file `run` of an output directory names (None: none there)."""
     f = out_dir / RUN_FILE
     return (f.read_text().strip() or None) if f.is_file() else None
-
-
-current_run = _run_file
-"""The run id the file `run` of an output directory names (None: none there)."""
 
 
 def new_run_id() -> str:
@@ -87,7 +84,7 @@ def start_run(out_dir: Path, resume: bool, new_run: str | None = None) -> str:
     pointer, which names an earlier run's checkpoint."""
     run = None
     if resume:
-        if run := _run_file(out_dir):
+        if run := current_run(out_dir):
             return run
         named = named_by_latest(out_dir)
         ckpt = named if named is not None and incomplete_reason(named) is None else find_checkpoint(out_dir, lambda _: None)
@@ -119,8 +116,9 @@ def open_run(out_dir: Path, train, log=print, new_run: str | None = None) -> Pat
         if not train.start_over:
             what = "another run's checkpoints are" if foreign else "no usable checkpoint is"
             raise CheckpointError(
-                f"train.resume: {what} in {out_dir}; {_rejections(rejected)}. Nothing was changed. Repair or move them, or add train.start_over=true to start a new run "
-                  f"from step 0 (this directory's run files are moved to {out_dir / EARLIER_RUNS} first).")
+                f"train.resume: {what} in {out_dir}; {_rejections(rejected)}. Nothing was changed. Repair or move "
+                f"them, or add train.start_over=true to start a new run from step 0 (this directory's run files are "
+                f"moved to {out_dir / EARLIER_RUNS} first).")
         log(f"checkpoint: train.start_over: {len(rejected)} checkpoints rejected; starting a new run")
     set_aside(out_dir, log)
     start_run(out_dir, resume=False, new_run=new_run)
@@ -174,7 +172,7 @@ def set_aside(out_dir: Path, log=print) -> Path | None:
     mine = [p for p in out_dir.iterdir() if p.name in RUN_RECORDS or p.suffix == ".jsonl" or _NAME.search(p.name)]
     if not mine:
         return None
-    name = _run_file(out_dir) or "unnamed"
+    name = current_run(out_dir) or "unnamed"
     if not re.fullmatch(r"[\w-]{1,64}", name):  # a run id is hex: anything else is not made a path
         name = "unnamed"
     dest = out_dir / EARLIER_RUNS / name
@@ -216,7 +214,7 @@ def write_checkpoint(out_dir: Path, state: dict, save_policy) -> Path:
     files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
              for f in sorted(tmp.rglob("*")) if f.is_file()}
     _write(tmp / MANIFEST, json.dumps({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "step": state["step"],
-                                       "run": _run_file(out_dir), "files": files}, indent=1))
+                                       "run": current_run(out_dir), "files": files}, indent=1))
     old = out_dir / f".old-{path.name}"
     if path.exists():  # a redone step's: moved aside, not deleted, until the new one is in place
         shutil.rmtree(old, ignore_errors=True)

@@ -33,7 +33,8 @@ time.sleep(600)
 
 
 def test_the_lock_names_its_holder_and_dies_with_it(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert holder.stdout.readline() == "held\n"
         with pytest.raises(OutputDirBusy, match=rf"{tmp_path}: another job writes here \(pid {holder.pid} on "
@@ -198,3 +199,23 @@ def test_a_data_or_model_error_is_one_line_before_ray_and_moves_nothing(case, tm
     assert "Traceback (most recent call last)" in (out / "errors.log").read_text()
     assert files_of(out) == before and not (out / "runs").exists()
     assert find_checkpoint(out, log=None) is None
+
+
+def test_a_value_error_raised_in_an_actor_is_its_one_line():
+    """What the driver cannot check before Ray starts arrives wrapped by Ray, its traceback in the message:
+    the job prints the error's own line; anything else is not a user's error and keeps its traceback."""
+    import traceback
+
+    import ray.exceptions as rx
+
+    from jobs.train import users_error
+
+    try:
+        raise ValueError("/data/train.jsonl:3: prompt has characters the tokenizer does not know ('²')")
+    except ValueError as e:
+        failed = rx.RayTaskError("PromptSourceActor.__init__", "".join(traceback.format_exception(e)), e)
+    line = "/data/train.jsonl:3: prompt has characters the tokenizer does not know ('²')"
+    assert users_error(failed) == line and users_error(failed.as_instanceof_cause()) == line
+    assert users_error(rx.ActorDiedError(failed)) == line  # a constructor's error, as a later call meets it
+    assert users_error(rx.RayTaskError("f", "Traceback ...", KeyError("k"))) is None
+    assert users_error(RuntimeError("a bug")) is None
