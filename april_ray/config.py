@@ -354,8 +354,9 @@ class TrainConfig:
     """Continue from the latest checkpoint in output_dir (policy, optimizer, cursor, store, version). false: a
     new run; an earlier run's files in output_dir are moved to output_dir/runs/<its run id> first."""
     start_over: bool = False
-    """With resume: when every checkpoint the run saved is unusable, start a new run from step 0 (its files
-    moved aside as for a fresh run) instead of stopping with what was rejected and why."""
+    """With resume: when every checkpoint the run saved is unusable, or another run's checkpoints are in
+    output_dir, start a new run from step 0 (the files moved aside as for a fresh run) instead of stopping
+    with what was rejected and why."""
     output_dir: str = "outputs/train"
     eval_greedy: bool = True
     """Also evaluate greedily (temperature 0) on the held-out prompts."""

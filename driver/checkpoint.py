@@ -14,12 +14,14 @@ waiting in the store nor repeats any (the cursor alone has already moved past th
 partial groups).
 
 `find_checkpoint` takes the newest complete checkpoint of this run and says which incomplete ones (a
-crash mid-write, a `latest` pointing at a missing directory) and which of other runs it passed over. A run
-is a lineage: a fresh job (`train.resume=false`) starts a new one in `train.output_dir` (`start_run`:
-its id in the file `run`, and in every checkpoint's manifest), and a resume goes on with it, so a resume
-never picks up the checkpoint of an earlier, unrelated run left in the same directory (checkpoints
-written before run ids, without one, are taken by any run). A checkpoint of the older
-pickle format (`state.pkl`) is refused, never unpickled: loading a pickle runs code from the file.
+crash mid-write, a `latest` pointing at a missing directory, a link out of the output directory) and which
+of other runs it passed over. A run is a lineage: a fresh job (`train.resume=false`) starts a new one in
+`train.output_dir` (`start_run`: its id in the file `run`, and in every checkpoint's manifest), and a
+resume goes on with it. A resume never picks up, nor writes over, the checkpoint of another run: one
+there stops it (`open_run`), named (checkpoints written before run ids, without one, are taken by any
+run). The step and version a checkpoint claims are checked against its name, its manifest and the job's
+train.num_steps (`read_state`, `open_run`). A checkpoint of the older pickle format (`state.pkl`) is
+refused, never unpickled: loading a pickle runs code from the file.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
@@ -54,6 +57,9 @@ def named_by_latest(out_dir: Path) -> Path | None:
     pointer = out_dir / LATEST
     if not pointer.is_file():
         return None
+    if not pointer.resolve().is_relative_to(out_dir.resolve()):
+        raise CheckpointError(f"{pointer}: a link to {pointer.resolve()}, outside {out_dir}; refused (delete "
+                              f"{pointer} to resume from the newest complete checkpoint)")
     name = pointer.read_text().strip()
     if not _NAME.fullmatch(name):
         raise CheckpointError(f"{pointer}: names {name!r:.80}, not a ckpt-<step> directory of {out_dir}; "
@@ -61,51 +67,97 @@ def named_by_latest(out_dir: Path) -> Path | None:
     return out_dir / name
 
 
-def _run_file(out_dir: Path) -> str | None:
+def current_run(out_dir: Path) -> str | None:
+    """The run id the file `run` of an output directory names (None: none there)."""
     f = out_dir / RUN_FILE
     return (f.read_text().strip() or None) if f.is_file() else None
 
 
-def start_run(out_dir: Path, resume: bool) -> str:
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def start_run(out_dir: Path, resume: bool, new_run: str | None = None) -> str:
     """This job's run id. A resume's is the one in `out_dir/run` (with none there: that of the checkpoint
     `latest` names, or else of the newest complete one, so checkpoints copied into a new directory are
-    still resumed from). A fresh job writes a new one and drops the `latest` pointer, which names an
-    earlier run's checkpoint."""
+    still resumed from). A fresh job writes a new one (`new_run`, if given) and drops the `latest`
+    pointer, which names an earlier run's checkpoint."""
     run = None
     if resume:
-        if run := _run_file(out_dir):
+        if run := current_run(out_dir):
             return run
         named = named_by_latest(out_dir)
         ckpt = named if named is not None and incomplete_reason(named) is None else find_checkpoint(out_dir, lambda _: None)
         run = _run_of(ckpt) if ckpt is not None else None
     else:
         (out_dir / LATEST).unlink(missing_ok=True)
-    run = run or uuid.uuid4().hex[:16]
+    run = run or new_run or new_run_id()
     _write(out_dir / RUN_FILE, run)
     return run
 
 
-def open_run(out_dir: Path, train, log=print) -> Path | None:
-    """Start this job's run in `out_dir`; returns the checkpoint to resume from (None: step 0).
+def open_run(out_dir: Path, train, log=print, new_run: str | None = None) -> Path | None:
+    """Start this job's run in `out_dir`; returns the checkpoint to resume from (None: step 0), its
+    contents and state checked (`check_contents`, `read_state`) before anything starts.
 
     A fresh job (`train.resume=false`) never erases an earlier run: its files are moved to
-    `out_dir/runs/<its run id>` first (`set_aside`). A resume goes on with the run of `out_dir`; when
-    that run saved checkpoints and none is usable, it stops naming each and why (its next save would
-    overwrite one), unless `train.start_over`: then it starts a new run as a fresh job does."""
+    `out_dir/runs/<its run id>` first (`set_aside`), and it starts run `new_run` (None: a new id). A
+    resume goes on with the run of `out_dir`. It stops, naming each checkpoint and why, when another
+    run's checkpoints are there (its saves would write over them), or when its own saved checkpoints are
+    all unusable (its next save would overwrite one), unless `train.start_over`: then it starts a new run
+    as a fresh job does. A checkpoint past train.num_steps stops it too: there is nothing left to train."""
     if train.resume:
-        rejected = []
-        ckpt = find_checkpoint(out_dir, log, start_run(out_dir, resume=True), rejected)
-        if ckpt is not None or not rejected:
-            return ckpt
+        run = start_run(out_dir, resume=True)
+        foreign = other_runs(out_dir, run)
+        rejected = list(foreign)
+        ckpt = find_checkpoint(out_dir, log, run, rejected)
+        if not foreign and (ckpt is not None or not rejected):
+            return ckpt if ckpt is None else checked(ckpt, train.num_steps)
         if not train.start_over:
+            what = "another run's checkpoints are" if foreign else "no usable checkpoint is"
             raise CheckpointError(
-                f"train.resume: no usable checkpoint in {out_dir}; " + "; ".join(f"{p}: {why}" for p, why in rejected)
-                + f". Nothing was changed. Repair or remove them, or add train.start_over=true to start a new run "
-                  f"from step 0 (this run's files are moved to {out_dir / EARLIER_RUNS} first).")
-        log(f"checkpoint: train.start_over: no usable checkpoint ({len(rejected)} rejected); starting a new run")
+                f"train.resume: {what} in {out_dir}; {_rejections(rejected)}. Nothing was changed. Repair or move "
+                f"them, or add train.start_over=true to start a new run from step 0 (this directory's run files are "
+                f"moved to {out_dir / EARLIER_RUNS} first).")
+        log(f"checkpoint: train.start_over: {len(rejected)} checkpoints rejected; starting a new run")
     set_aside(out_dir, log)
-    start_run(out_dir, resume=False)
+    start_run(out_dir, resume=False, new_run=new_run)
     return None
+
+
+def _rejections(rejected: list[tuple[Path, str]], most: int = 5) -> str:
+    """`ckpt-000004, ckpt-000009: why; ckpt-000010: why`: the checkpoints of one reason together."""
+    by_reason: dict[str, list[str]] = {}
+    for path, why in rejected:
+        by_reason.setdefault(why, []).append(path.name)
+    return "; ".join(", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+                     + f": {why}" for why, names in by_reason.items())
+
+
+def other_runs(out_dir: Path, run: str) -> list[tuple[Path, str]]:
+    """(path, why) of each checkpoint in `out_dir` whose manifest names a run other than `run`, complete or
+    not: a resume of `run` saving its steps would write over them. Only the run id is read."""
+    found = []
+    for path in sorted(out_dir.glob("*ckpt-*")):
+        if not _NAME.search(path.name) or path.name.startswith(".tmp") or _link_reason(path) is not None:
+            continue
+        try:
+            other = json.loads((path / MANIFEST).read_text()).get("run")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(other, str) and other != run:
+            found.append((path, f"belongs to run {other}, not to run {run} that {out_dir / RUN_FILE} names"))
+    return found
+
+
+def checked(ckpt: Path, num_steps: int) -> Path:
+    """`ckpt`, once its files and state are found usable and its step is before `num_steps`."""
+    check_contents(ckpt)
+    state = read_state(ckpt)
+    if state["step"] >= num_steps:
+        raise CheckpointError(f"{ckpt / STATE_FILE}: step {state['step']} is past train.num_steps={num_steps}: "
+                              f"nothing left to train. Nothing was changed; raise train.num_steps to go on")
+    return ckpt
 
 
 EARLIER_RUNS = "runs"
@@ -120,7 +172,7 @@ def set_aside(out_dir: Path, log=print) -> Path | None:
     mine = [p for p in out_dir.iterdir() if p.name in RUN_RECORDS or p.suffix == ".jsonl" or _NAME.search(p.name)]
     if not mine:
         return None
-    name = _run_file(out_dir) or "unnamed"
+    name = current_run(out_dir) or "unnamed"
     if not re.fullmatch(r"[\w-]{1,64}", name):  # a run id is hex: anything else is not made a path
         name = "unnamed"
     dest = out_dir / EARLIER_RUNS / name
@@ -162,7 +214,7 @@ def write_checkpoint(out_dir: Path, state: dict, save_policy) -> Path:
     files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
              for f in sorted(tmp.rglob("*")) if f.is_file()}
     _write(tmp / MANIFEST, json.dumps({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "step": state["step"],
-                                       "run": _run_file(out_dir), "files": files}, indent=1))
+                                       "run": current_run(out_dir), "files": files}, indent=1))
     old = out_dir / f".old-{path.name}"
     if path.exists():  # a redone step's: moved aside, not deleted, until the new one is in place
         shutil.rmtree(old, ignore_errors=True)
@@ -194,9 +246,30 @@ def _sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
+def _link_reason(path: Path) -> str | None:
+    """Why `path` (a checkpoint directory of an output directory) reaches outside it (None: it does not):
+    the directory a link out of the output directory, or anything in it a link out of the checkpoint or not
+    a plain file or directory (a FIFO, a device). Nothing is read."""
+    root = path.resolve()
+    if not root.is_relative_to(path.parent.resolve()):
+        return f"a link to {root}, outside {path.parent}"
+    for where, dirs, files in os.walk(path):
+        for name in dirs + files:
+            entry = Path(where) / name
+            if entry.is_symlink():
+                if not entry.resolve().is_relative_to(root):
+                    return f"{entry.relative_to(path)} is a link to {entry.resolve()}, outside the checkpoint"
+            elif not (stat.S_ISREG(mode := entry.lstat().st_mode) or stat.S_ISDIR(mode)):
+                return f"{entry.relative_to(path)} is not a plain file"
+    return None
+
+
 def incomplete_reason(path: Path) -> str | None:
-    """Why `path` is not a complete checkpoint (None: it is): a file missing, or not as the manifest says
-    (size, then sha256). Raises on the refused pickle format."""
+    """Why `path` is not a complete checkpoint (None: it is): a link out of the output directory, a file
+    missing, or not as the manifest says (size, then sha256), or the manifest's step not the step of its
+    name. Raises on the refused pickle format."""
+    if (reason := _link_reason(path)) is not None:
+        return reason
     if (path / "state.pkl").exists():
         raise CheckpointError(f"{path / 'state.pkl'}: a checkpoint of an older april-ray that keeps its rollout "
                               f"state as a pickle; it is refused, never unpickled (loading a pickle runs code "
@@ -212,6 +285,8 @@ def incomplete_reason(path: Path) -> str | None:
         return f"{MANIFEST} unreadable ({e!r})"
     if not isinstance(files, dict) or STATE_FILE not in files:
         return f"{MANIFEST}: files must be an object naming {STATE_FILE}, got {json.dumps(files)[:60]}"
+    if "step" in manifest and manifest["step"] != _step(path):
+        return f"{MANIFEST}: step {manifest['step']!r:.40}, not the step of its name ({_step(path)})"
     for name, entry in files.items():
         if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)):
             return f"{MANIFEST}: {name}: no size and sha256 (a checkpoint of an older april-ray, or not one)"
@@ -233,7 +308,8 @@ def find_checkpoint(out_dir: Path, log=print, run: str | None = None, rejected: 
     """The newest complete checkpoint in `out_dir` of run `run` (any run's if None; one without a run id
     is any run's), None if there is none; every incomplete one newer than it, every one of another run,
     and a `latest` pointer that disagrees, are reported through `log`. Each saved one it passes over (not
-    an unfinished save, nor another run's) is appended to `rejected` as (path, reason)."""
+    an unfinished save, nor another run's: `other_runs` names those) is appended to `rejected` as (path,
+    reason)."""
     named = named_by_latest(out_dir)
     candidates = [p for p in out_dir.glob("*ckpt-*") if _NAME.search(p.name)]
     if named is not None and named not in candidates:
@@ -272,7 +348,9 @@ def _step(path: Path) -> int:
 
 
 def read_state(path: Path) -> dict:
-    """`rollout_state.json`, validated: a CheckpointError names the file and the field."""
+    """`rollout_state.json`, validated: a CheckpointError names the file and the field. Its step is the
+    step of the checkpoint's name, its policy version at most one per step trained, and no stored token
+    is of a newer version."""
     file = path / STATE_FILE
     try:
         state = json.loads(file.read_text())
@@ -292,12 +370,23 @@ def read_state(path: Path) -> dict:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             where = key if section is None else f"{key}.{section}"
             raise CheckpointError(f"{file}: {where}: expected a non-negative integer, got {value!r:.60}")
+    if state["step"] != _step(path):
+        raise CheckpointError(f"{file}: step: {state['step']}, not the step of its checkpoint ({path.name})")
+    if state["version"] > state["step"] + 1:
+        raise CheckpointError(f"{file}: version: {state['version']}, more than one per step trained "
+                              f"(step {state['step']})")
     from april_ray.rollout.store import PartialRolloutStore
 
-    try:  # the store validates every group and sample before it takes any; this copy is thrown away
-        PartialRolloutStore().load_state_dict(state.get("store"), "store")
+    store = PartialRolloutStore()  # it validates every group and sample before it takes any; a copy thrown away
+    try:
+        store.load_state_dict(state.get("store"), "store")
     except ValueError as e:
         raise CheckpointError(f"{file}: {e}") from None
+    newest = max((v for g in [*store.partial.values(), *store.complete] for s in g.samples for v in s.versions),
+                 default=0)
+    if newest > state["version"]:
+        raise CheckpointError(f"{file}: store: a token of policy version {newest}, newer than the checkpoint's "
+                              f"version {state['version']}")
     return state
 
 

@@ -18,16 +18,16 @@ from pathlib import Path
 import ray
 
 from actors.metrics import DriverMetrics
-from april_ray.config import to_yaml
 from april_ray.tracking import Tracker, truncate_step_logs
-from driver.checkpoint import open_run, restore_checkpoint, save_checkpoint
+from driver.checkpoint import restore_checkpoint, save_checkpoint
 from driver.cluster import init_ray
 from driver.engines import EngineGroup
 from driver.evaluator import Evaluator
 from driver.learners import LearnerGroup, stop_if_a_rank_dies
 from driver.records import GroupLog, PhaseClock, staleness_metrics
 from driver.rollout import RolloutGroup
-from driver.setup import prepare
+from driver.output_dir import OutputLock
+from driver.setup import open_output
 
 
 def train(cfg) -> dict:
@@ -102,20 +102,19 @@ class Run:
     start: int    # the first step to run
     version: int  # the policy version the engines serve
     resumed: bool
+    lock: OutputLock  # train.output_dir, this job's alone until it ends
 
     def shutdown(self) -> None:
         for actors in (self.rollout, self.engines, self.learners):
             actors.shutdown()
+        self.lock.release()
 
 
 def start_run(cfg) -> Run:
     """Bring the job's actors up. A fresh run first moves an earlier run's files to runs/; a resumed run
     restores its newest checkpoint and drops the step rows logged after it (those steps are redone)."""
-    out = Path(cfg.train.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt = open_run(out, cfg.train)
-    (out / "config.yaml").write_text(to_yaml(cfg))
-    job = prepare(cfg)  # model, data and placement plan, once
+    output = open_output(cfg)  # held for this job alone; model, data and plan checked before a file moves
+    out, job, ckpt = output.path, output.inputs, output.checkpoint
     if not ray.is_initialized():
         init_ray(job.layout, cfg.logging)
 
@@ -130,4 +129,5 @@ def start_run(cfg) -> Run:
         print(f"resumed from {ckpt}: step {start}, policy version {version}")
     if cfg.train.resume:
         truncate_step_logs(out, start - 1)
-    return Run(out, engines, rollout, learners, evaluator, start, version, resumed=ckpt is not None)
+    return Run(out, engines, rollout, learners, evaluator, start, version, resumed=ckpt is not None,
+               lock=output.lock)

@@ -1,6 +1,7 @@
 """Checkpoints hold tensors and JSON only, and runs never erase each other: a pickle in place of a state file
 is refused by name and never run, the manifest's sha256 and the `latest` pointer are checked, a fresh run
 sets an earlier one aside, and a resume with nothing usable stops instead of starting over."""
+import asyncio
 import json
 import pickle
 import re
@@ -14,7 +15,9 @@ from april_ray.learn.learner import Learner
 from april_ray.learn.safe_state import StateFileError, load_state, save_state
 from driver.checkpoint import (CheckpointError, _sha256, check_contents, find_checkpoint, open_run, rollout_state,
                                write_checkpoint)
+from tests.fakes import make_rollout_parts
 from tests.test_learner import batch_from_policy
+from tests.test_rollout import cfg, run_steps
 
 
 class Payload:
@@ -34,7 +37,8 @@ def save_policy(path):
 
 
 def checkpoint(out: Path, step: int) -> Path:
-    state = rollout_state(step, step + 1, {}, {}, {"returned_groups": 0, "dropped_groups": 0, "over_sampling": {}})
+    store = {"partial": [], "complete": [], "num_restarted_samples": 0}
+    state = rollout_state(step, step + 1, {}, store, {"returned_groups": 0, "dropped_groups": 0, "over_sampling": {}})
     return write_checkpoint(out, state, save_policy)
 
 
@@ -272,3 +276,126 @@ def test_a_run_id_that_is_a_path_does_not_move_files_out_of_the_output_directory
     (out / "metrics.jsonl").write_text('{"step": 0}\n')
     open_run(out, TrainConfig(resume=False), log=lambda _: None)
     assert (out / "runs" / "unnamed" / "metrics.jsonl").is_file() and not (tmp_path.parent / "elsewhere").exists()
+
+
+def files_and_rows(out: Path) -> dict:
+    return {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_refuses_another_runs_checkpoints_by_name_and_changes_nothing(tmp_path):
+    """A `run` file naming another run than the checkpoints': the resume would start at step 0 and write
+    over them. It stops naming each; train.start_over moves them aside first."""
+    open_run(tmp_path, TrainConfig(resume=False))
+    earlier = (tmp_path / "run").read_text()
+    checkpoint(tmp_path, 0), checkpoint(tmp_path, 1)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    (tmp_path / "run").write_text("another")
+    before = files_and_rows(tmp_path)
+    with pytest.raises(CheckpointError, match=rf"another run's checkpoints are in {tmp_path}; ckpt-000000, "
+                                              rf"ckpt-000001: belongs to run {earlier}, not to run another that "
+                                              rf"{tmp_path}/run names\. Nothing was changed"):
+        open_run(tmp_path, TrainConfig(resume=True), log=lambda _: None)
+    assert files_and_rows(tmp_path) == before
+    assert open_run(tmp_path, TrainConfig(resume=True, start_over=True), log=lambda _: None) is None
+    assert files_and_rows(tmp_path / "runs" / "another") == before
+
+
+def test_another_runs_checkpoint_stops_a_resume_even_beside_a_usable_one_of_its_own(tmp_path):
+    """Its own checkpoint at step 0 is usable, but saving step 5 would write over the other run's."""
+    open_run(tmp_path, TrainConfig(resume=False))
+    checkpoint(tmp_path, 0)
+    other = checkpoint(tmp_path, 5)
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps(manifest | {"run": "someone-else"}))
+    with pytest.raises(CheckpointError, match=r"ckpt-000005: belongs to run someone-else"):
+        open_run(tmp_path, TrainConfig(resume=True), log=lambda _: None)
+
+
+def test_a_checkpoint_past_the_runs_steps_is_refused(tmp_path):
+    open_run(tmp_path, TrainConfig(resume=False))
+    checkpoint(tmp_path, 10**9)
+    with pytest.raises(CheckpointError, match=r"ckpt-1000000000/rollout_state\.json: step 1000000000 is past "
+                                              r"train\.num_steps=60"):
+        open_run(tmp_path, TrainConfig(resume=True), log=lambda _: None)
+    assert (tmp_path / "ckpt-1000000000").is_dir() and not (tmp_path / "runs").exists()
+
+
+def crafted(out: Path, step: int, version: int, name: str | None = None, token_version: int = 0) -> Path:
+    """A complete checkpoint (sizes and sha256 right) whose state claims `step` and `version`, one stored
+    sample's tokens of `token_version`, in the directory `name`."""
+    c = cfg(max_versions=100)
+    monitor, _, source, store, engines = make_rollout_parts(c, seed=1)
+    asyncio.run(run_steps(monitor, source, store, engines, c, 2))
+    state = store.state_dict()
+    sample = state["partial"][0]["samples"][0]
+    sample["versions"] = [token_version] * len(sample["versions"])
+    path = write_checkpoint(out, rollout_state(step, version, source.state_dict(), state, {"returned_groups": 0,
+                            "dropped_groups": 0, "over_sampling": {}}), save_policy)
+    if name is not None:
+        path = path.rename(out / name)
+    return path
+
+
+@pytest.mark.parametrize("step,version,name,token_version,message", [
+    (5, 10**9, None, 0, r"version: 1000000000, more than one per step trained \(step 5\)"),
+    (5, 6, None, 7, r"store: a token of policy version 7, newer than the checkpoint's version 6"),
+])
+def test_a_checkpoints_version_past_its_steps_is_refused(tmp_path, step, version, name, token_version, message):
+    open_run(tmp_path, TrainConfig(resume=False))
+    crafted(tmp_path, step, version, name, token_version)
+    with pytest.raises(CheckpointError, match=rf"ckpt-000005/rollout_state\.json: {message}"):
+        open_run(tmp_path, TrainConfig(resume=True), log=lambda _: None)
+
+
+def test_a_checkpoint_whose_step_is_not_its_names_is_rejected(tmp_path):
+    open_run(tmp_path, TrainConfig(resume=False))
+    crafted(tmp_path, 3, 4, name="ckpt-000099")
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint .*ckpt-000099: manifest\.json: step 3, not the "
+                                              r"step of its name \(99\)"):
+        open_run(tmp_path, TrainConfig(resume=True), log=lambda _: None)
+    manifest = json.loads((tmp_path / "ckpt-000099" / "manifest.json").read_text())
+    (tmp_path / "ckpt-000099" / "manifest.json").write_text(json.dumps(manifest | {"step": 99}))
+    with pytest.raises(CheckpointError, match=r"ckpt-000099/rollout_state\.json: step: 3, not the step of its "
+                                              r"checkpoint \(ckpt-000099\)"):
+        open_run(tmp_path, TrainConfig(resume=True), log=lambda _: None)
+
+
+def test_a_newest_checkpoint_that_links_outside_the_output_directory_is_rejected(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    open_run(out, TrainConfig(resume=False))
+    mine = checkpoint(out, 9)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "run").write_text((out / "run").read_text())  # the same run id in its manifest
+    outside = checkpoint(tmp_path / "elsewhere", 19)
+    (out / "ckpt-000019").symlink_to(outside)
+    said = []
+    assert find_checkpoint(out, said.append, (out / "run").read_text()) == mine
+    assert f"ckpt-000019 is incomplete (a link to {outside}, outside {out})" in said[0]
+
+
+def test_a_link_or_fifo_inside_a_checkpoint_is_rejected(tmp_path):
+    import os
+
+    first, second = checkpoint(tmp_path, 9), checkpoint(tmp_path, 19)
+    secret = tmp_path / "secret.json"
+    secret.write_text("{}")
+    (second / "policy" / "tokenizer.json").symlink_to(secret)  # not in the manifest: a loader would still read it
+    said = []
+    assert find_checkpoint(tmp_path, said.append) == first
+    assert f"policy/tokenizer.json is a link to {secret}, outside the checkpoint" in said[0]
+    (second / "policy" / "tokenizer.json").unlink()
+    os.mkfifo(second / "policy" / "tokenizer.json")
+    said.clear()
+    assert find_checkpoint(tmp_path, said.append) == first and "tokenizer.json is not a plain file" in said[0]
+
+
+def test_a_latest_pointer_that_links_outside_the_output_directory_is_refused(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    checkpoint(out, 9)
+    (tmp_path / "pointer").write_text("ckpt-000009")
+    (out / "latest").unlink()
+    (out / "latest").symlink_to(tmp_path / "pointer")
+    with pytest.raises(CheckpointError, match=rf"out/latest: a link to {tmp_path / 'pointer'}, outside {out}"):
+        find_checkpoint(out, log=None)
