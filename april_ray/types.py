@@ -181,6 +181,8 @@ class SampleMeta:
     """Model tokens per policy version (derived from the per-token record, never a side counter)."""
     num_env_tokens: int = 0
     """Environment tokens in the response (a multi-turn episode's tool results)."""
+    error: str | None = None
+    """The traceback of an episode that raised: its group is dropped from training."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,3 +221,6 @@ class StepResult:
     """Their sample handles, in `dropped` order: filtered groups are kept for the consumer, not discarded."""
     discarded: list[str] = field(default_factory=list)
     """Ids of the groups the over-provisioned baseline threw away this step (`rollout.schedule=oversample`)."""
+    episode_errors: dict[str, str] = field(default_factory=dict)
+    """Sample id -> the last line of its episode's error, for the samples of the groups dropped as
+    `episode_error` this step."""

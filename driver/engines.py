@@ -13,6 +13,7 @@ back to the monitor (driver/rollout.py). Every other call here skips or retries 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -189,7 +190,7 @@ def start_journal(cfg: Config):
         return None
     node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     path = Path(cfg.train.output_dir).resolve() / "tool_journal.jsonl"
-    return ToolJournalActor.options(scheduling_strategy=node).remote(str(path))
+    return ToolJournalActor.options(scheduling_strategy=node).remote(str(path), os.getpid())  # gone: no new call
 
 
 def settle(refs: list, timeout_s: float | None = None) -> list:

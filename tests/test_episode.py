@@ -200,23 +200,26 @@ def test_an_engine_crash_resends_the_episode_as_sent_and_no_returned_tool_call_r
 def test_the_journal_file_survives_a_restart(tmp_path):
     path = tmp_path / "journal.jsonl"
     first = ToolJournal(path)
-    asyncio.run(first.put("s/1/0/lookup", {"value": 12}))
-    asyncio.run(first.put("s/1/0/lookup", {"value": 99}))  # a key is recorded once
+    asyncio.run(first.put("s/1/0/h/lookup", {"value": 12}))
+    asyncio.run(first.put("s/1/0/h/lookup", {"value": 99}))  # a key is recorded once
     with open(path, "a") as f:
-        f.write('["s/2/0/lookup", {"val')  # cut by a crash mid-write: that call never returned
+        f.write('["s/2/0/h/lookup", {"val')  # cut by a crash mid-write: that call never returned
     again = ToolJournal(path)
-    assert asyncio.run(again.get("s/1/0/lookup")) == {"value": 12} and asyncio.run(again.get("s/2/0/lookup")) is None
+    assert asyncio.run(again.begin("s/1/0/h/lookup")) == {"value": 12}
+    assert asyncio.run(again.begin("s/2/0/h/lookup")) is None
 
 
-def test_an_episode_that_raises_scores_zero_and_is_counted():
+def test_an_episode_that_raises_is_not_scored_and_carries_its_error():
     async def broken(ep):
         await ep.generate(stop=("?",))
         raise KeyError("bug")
 
     _, worker = make_worker()
     worker.episode_fn = broken
-    [_], [s] = asyncio.run(worker.generate_group([fresh("ab-1:")], ("run", 0)))
-    assert s.state == SampleState.FINISHED and s.reward == 0.0 and worker.reward.errors == 1
+    [meta], [s] = asyncio.run(worker.generate_group([fresh("ab-1:")], ("run", 0)))
+    assert s.state == SampleState.FINISHED and worker.reward.errors == 0  # not a reward: its group is dropped
+    assert "Traceback" in meta.error and meta.error.strip().endswith("KeyError: 'bug'")
+    assert s.episode["error"] == meta.error
 
 
 def test_episode_state_must_be_json():
@@ -226,8 +229,8 @@ def test_episode_state_must_be_json():
 
     _, worker = make_worker()
     worker.episode_fn = bad_state
-    [_], [s] = asyncio.run(worker.generate_group([fresh("ab-1:")], ("run", 0)))
-    assert s.reward == 0.0 and worker.reward.errors == 1
+    [meta], [_] = asyncio.run(worker.generate_group([fresh("ab-1:")], ("run", 0)))
+    assert "episode state of e0p0s0: not JSON values" in meta.error
 
 
 def test_evaluation_runs_episodes():

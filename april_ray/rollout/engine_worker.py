@@ -28,12 +28,16 @@ later completes it scores it from scratch (on a lost call the function may run a
 never reach anyone). Episodes run first and the group function scores their final responses: an episode
 that returns a number (or raises: 0) keeps it, as without the flag, and the group function scores those
 that return None, seeing the whole group either way.
+
+An episode that raises is not scored: its sample comes back FINISHED with the error in its episode record
+(`SampleMeta.error`), and the monitor drops its group from training (april_ray/rollout/monitor.py), so a
+bug in an environment never teaches the policy.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
+import traceback
 from collections import Counter, deque
 
 from april_ray.config import EngineConfig, RolloutConfig, SamplingConfig, StalenessConfig, TaskConfig
@@ -41,7 +45,7 @@ from april_ray.engine.probe import saturated_throughput
 from april_ray.plugins import load_object
 from april_ray.rollout.episode import Episode, EpisodeContext, Interrupted, ToolJournal
 from april_ray.task.evaluate import EvalItem
-from april_ray.task.rewards import RewardRunner
+from april_ray.task.rewards import RewardRunner, reward_value
 from april_ray.types import FinishReason, GenerateRequest, Sample, SampleMeta, SampleState, SamplingParams
 
 
@@ -49,7 +53,7 @@ def sample_meta(sample: Sample, num_new_tokens: int) -> SampleMeta:
     counts = dict(sorted(Counter(sample.model_versions).items()))
     model = sample.num_model_tokens
     return SampleMeta(sample.sample_id, sample.group_id, sample.state, num_new_tokens, model, sample.reward, counts,
-                      len(sample.response_ids) - model)
+                      len(sample.response_ids) - model, (sample.episode or {}).get("error"))
 
 
 def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig, task: TaskConfig,
@@ -74,7 +78,9 @@ def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, stalene
     if episodes is not None and episodes.episode_fn:
         worker.use_episodes(load_object(episodes.episode_fn, "rollout.episode_fn"), journal or ToolJournal(),
                             engine_cfg.max_model_len, episodes.tool_timeout_s,
-                            encode=lambda text: tok.encode(text, add_special_tokens=False))
+                            encode=lambda text: tok.encode(text, add_special_tokens=False),
+                            kwargs=dict(episodes.episode_kwargs), max_turns=episodes.max_turns,
+                            max_env_tokens=episodes.max_env_tokens_per_turn)
     return worker
 
 
@@ -104,30 +110,38 @@ class EngineWorker:
         self.episode_fn = None
         """`rollout.episode_fn`, loaded: each sample is an episode of turns (`use_episodes`)."""
 
-    def use_episodes(self, episode_fn, journal, max_model_len: int, tool_timeout_s: float, encode=None) -> None:
-        """Run `episode_fn` per sample; `encode` turns environment text into ids (no special tokens)."""
+    def use_episodes(self, episode_fn, journal, max_model_len: int, tool_timeout_s: float, encode=None,
+                     kwargs: dict | None = None, max_turns: int = 0, max_env_tokens: int = 0) -> None:
+        """Run `episode_fn(handle, **kwargs)` per sample; `encode` turns environment text into ids (no special
+        tokens)."""
         self.episode_fn = episode_fn
+        self.episode_kwargs = kwargs or {}
         self.episodes = EpisodeContext(self.engine, encode or self.encode, self.decode, self.sampling, max_model_len,
-                                       journal, self.closed_steps, tool_timeout_s)
+                                       journal, self.closed_steps, tool_timeout_s, max_turns, max_env_tokens)
 
     async def run_episode(self, sample: Sample, step, tag: str, ctx: EpisodeContext | None = None
                           ) -> tuple[SampleMeta, Sample]:
         """The sample's episode, from where it stands to its end (rewarded) or to the step's abort (PARTIAL).
-        An episode that raises is finished with reward 0, counted with the reward errors, as a reward that
-        raises is."""
+        An episode that raises is finished unscored, its error (the traceback) in its episode record; one
+        that returns something other than None or a real number scores 0, counted with the reward errors
+        (as a reward function's would)."""
         ep = Episode(ctx or self.episodes, sample.resend(), step, tag)
         try:
-            reward = await self.episode_fn(ep)
+            reward = await self.episode_fn(ep, **self.episode_kwargs)
         except Interrupted:
             partial = dataclasses.replace(ep.sample, state=SampleState.PARTIAL, finish_reason=FinishReason.ABORT)
             return sample_meta(partial, ep.num_new_tokens), partial
-        except Exception as e:
-            reward = self.reward.failed(sample.prompt, f"episode raised {e!r}")
+        except Exception:
             ep.state = ep.sample.episode["state"]  # as last recorded: what it holds now may be what failed
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
-                                   or not math.isfinite(reward)):
-            reward = self.reward.failed(sample.prompt, f"episode returned {reward!r:.60}, not a number")
-        done = ep.finished(None if reward is None else float(reward))
+            failed = ep.finished(0.0)
+            failed = dataclasses.replace(failed, episode=failed.episode | {"error": traceback.format_exc()})
+            return sample_meta(failed, ep.num_new_tokens), failed
+        if reward is not None:
+            try:
+                reward = reward_value(reward)
+            except ValueError as e:
+                reward = self.reward.failed(sample.prompt, f"rollout.episode_fn {e}")
+        done = ep.finished(reward)
         if done.reward is None and not self.reward_per_group:  # else its group's function scores it
             reward = await self.reward(done.prompt, self.decode(done.response_ids), done.answer, done.metadata)
             done = dataclasses.replace(done, reward=reward)
@@ -209,7 +223,9 @@ class EngineWorker:
         prompt, ids, answer, metadata = item
         ctx = dataclasses.replace(self.episodes, sampling=sampling, journal=ToolJournal(), closed_steps=())
         sample = Sample(rid, rid, prompt, answer, ids, sampling.max_new_tokens, metadata=metadata)
-        _, done = await self.run_episode(sample, None, "", ctx)
+        meta, done = await self.run_episode(sample, None, "", ctx)
+        if meta.error:  # held-out accuracy counts it as a wrong answer; the error is logged
+            self.reward.failed(prompt, f"evaluation episode raised: {meta.error.strip().splitlines()[-1]}")
         if done.reward is None:
             done = dataclasses.replace(done, reward=await self.score(prompt, self.decode(done.response_ids),
                                                                       answer, metadata))
@@ -222,6 +238,12 @@ class EngineWorker:
 
     def update_weights(self, state_dict, version: int) -> None:
         self.engine.update_weights(state_dict, version)
+
+    def tool_stats(self, drain: bool = True):
+        """The episodes' tool calls since the last drain (`ToolStats`), None without episodes."""
+        if self.episode_fn is None:
+            return None
+        return self.episodes.tool_stats.drain() if drain else dataclasses.replace(self.episodes.tool_stats)
 
     def stats(self, drain: bool = True):
         """The engine's statistics, with the reward errors since the last drain."""
