@@ -9,7 +9,7 @@ from april_ray.config import Config
 from april_ray.model import ensure_model
 from april_ray.placement import Layout, plan
 from april_ray.task.data import dataset_paths
-from april_ray.task.rewards import build_reward_fn
+from april_ray.plugins import check_plugins
 
 
 @dataclass(frozen=True)
@@ -21,9 +21,9 @@ class JobInputs:
 
 
 def prepare(cfg: Config) -> JobInputs:
-    """Build (or reuse) the embedded model and task data, and plan the placement group. A reward function
-    that does not import stops the job here, naming task.reward_fn, before any actor starts."""
-    build_reward_fn(cfg.task)
+    """Build (or reuse) the embedded model and task data, and plan the placement group. A plug-in that does
+    not import or has the wrong signature stops the job here, naming its key, before any actor starts."""
+    check_plugins(cfg)
     model_path = ensure_model(cfg)
     train_path, eval_path = dataset_paths(cfg.task, cfg.model.cache_dir)
     return JobInputs(str(Path(model_path)), str(train_path), str(eval_path), plan(cfg))

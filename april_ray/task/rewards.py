@@ -5,7 +5,8 @@ the checker DAPO-style recipes use; `countdown` checks the embedded task exactly
 by dotted path (`task.reward_fn=module:function`) and a served reward model by URL (`task.reward_url`).
 Every reward has one signature, `(prompt, response, answer, metadata) -> float` (an async function too;
 one without `metadata` is called without it), and runs under `RewardRunner`: a call that raises, hangs or
-returns no number scores 0 and is counted.
+returns anything but a real number (`reward_value`: not a bool, not a string such as "0.5") scores 0 and
+is counted.
 
 With `task.reward_per_group`, `task.reward_fn` is a group function instead, `(prompts, responses, answers,
 metadatas) -> list[float]`, called once per complete group (pairwise or relative judges, a reward model
@@ -16,10 +17,9 @@ and each one is counted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import inspect
 import json
 import math
+import numbers
 import threading
 import time
 import urllib.error
@@ -27,7 +27,7 @@ import urllib.request
 from typing import Awaitable, Callable
 
 from april_ray.config import TaskConfig
-from april_ray.plugins import load_object
+from april_ray.plugins import accepts, in_thread, is_async, load_object
 from april_ray.task.countdown import countdown_reward
 
 RewardFn = Callable[[str, str, str, dict], "float | Awaitable[float]"]
@@ -128,7 +128,7 @@ class UrlReward:
             raise RewardServerError(f"task.reward_url {self.url}: reply is not JSON: {raw[:200]!r}") from None
         if isinstance(value, dict):
             value = value.get("reward")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise RewardServerError(f"task.reward_url {self.url}: expected a number or {{\"reward\": number}}, "
                                     f"got {raw[:200]!r}")
         return float(value)
@@ -148,7 +148,7 @@ class RewardRunner:
 
     def __init__(self, fn: RewardFn, timeout_s: float, log=print, max_logged: int = 5):
         self.fn = fn
-        self.num_args = 4 if _accepts(fn, 4) else 3
+        self.num_args = 4 if accepts(fn, *range(4)) else 3
         """A function of (prompt, response, answer) alone is called without the metadata."""
         self.timeout_s = timeout_s
         self.log = log
@@ -161,7 +161,7 @@ class RewardRunner:
     async def __call__(self, prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
         """One response's reward, from a per-sample function."""
         args = (prompt, response, answer, metadata or {})[:self.num_args]
-        [reward] = await self._score(args, prompt, 1, lambda value: [_number(value)])
+        [reward] = await self._score(args, prompt, 1, lambda value: [reward_value(value)])
         return reward
 
     async def group(self, prompts: list[str], responses: list[str], answers: list[str],
@@ -184,20 +184,7 @@ class RewardRunner:
 
     def _start(self, args) -> Awaitable:
         """An async function runs on the event loop (cancelled at the timeout); a plain one in a thread."""
-        if inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None)):
-            return self.fn(*args)
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        threading.Thread(target=self._run, args=(loop, fut, args), daemon=True, name="reward").start()
-        return fut
-
-    def _run(self, loop, fut, args) -> None:
-        try:
-            out = (True, self.fn(*args))
-        except Exception as e:
-            out = (False, e)
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
-            loop.call_soon_threadsafe(_settle, fut, out)
+        return self.fn(*args) if is_async(self.fn) else in_thread(self.fn, *args)
 
     def failed(self, prompt: str, why: str) -> float:
         """Score a call that failed outside the runner (an episode that raised): 0, counted and logged."""
@@ -218,35 +205,17 @@ class RewardRunner:
         return n
 
 
-def _number(value) -> float:
-    reward = float(value)
-    if not math.isfinite(reward):
-        raise ValueError(f"returned {value!r}")
-    return reward
+def reward_value(value) -> float:
+    """A reward as a float: a real number (int, float, a numpy scalar), finite; a bool, a string ("0.5"),
+    None or anything else is a ValueError. Every path a reward comes by (a function, a group function, an
+    episode's return, a served model's reply) reads it so."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"returned {value!r:.60} ({type(value).__name__}), not a finite real number")
+    return float(value)
 
 
 def _numbers(values, n: int) -> list[float]:
     """A group function's value: `n` finite numbers (a list, a tuple, an array)."""
     if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or len(values) != n:
         raise ValueError(f"returned {values!r:.80} for a group of {n}: expected a list of {n} numbers")
-    return [_number(v) for v in values]
-
-
-def _accepts(fn, num_args: int) -> bool:
-    try:
-        inspect.signature(fn).bind(*range(num_args))
-    except TypeError:
-        return False
-    except ValueError:  # no signature to read (some builtins): assume the full one
-        return True
-    return True
-
-
-def _settle(fut: asyncio.Future, out) -> None:
-    if fut.done():  # timed out and cancelled
-        return
-    ok, value = out
-    if ok:
-        fut.set_result(value)
-    else:
-        fut.set_exception(value)
+    return [reward_value(v) for v in values]
