@@ -2,7 +2,7 @@
 
 One row per step, written before that step's checkpoint (so a resumed run never lacks the rows of the
 steps it kept): the group ids returned for training with their sample ids, the groups the dynamic filter
-dropped with the reason, those the over-provisioned baseline discarded, the trained tokens by age, and the
+dropped with the reason (or as `episode_error`, each raising sample's error in `episode_errors`), those the over-provisioned baseline discarded, the trained tokens by age, and the
 engine crashes the monitor saw. A last row, `"end": true`, holds the prompt source's cursor and the ids of
 the groups left in the store. Together they account for every group taken from the source: returned,
 dropped, discarded or stored (`check_records`, which the chaos job runs).
@@ -63,6 +63,7 @@ class GroupLog:
             "returned": list(batch.returned_group_ids),
             "samples": {gid: [m.sample_id for m in metas] for gid, metas in zip(batch.returned_group_ids, batch.metas)},
             "dropped": dict(batch.dropped),
+            "episode_errors": dict(batch.episode_errors),
             "discarded": list(batch.discarded),
             "staleness": {str(age): n for age, n in batch.staleness.items()},
             "max_versions": self.staleness.max_versions, "policy": self.staleness.policy,

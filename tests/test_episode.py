@@ -243,28 +243,81 @@ def test_evaluation_runs_episodes():
                                        for p in prompts]  # model tokens and EOS
 
 
-def test_april_steps_of_episodes_resume_them_at_their_turn_and_lose_nothing(tool_log):
-    """The real monitor, source and store over two workers running the agent task's episodes: over several
-    APRIL steps, episodes are interrupted mid-trajectory and continued at later steps (counted), the batch
-    carries environment tokens (counted), every returned episode is exactly right, no sample is returned
-    twice, and each (sample, turn) called the tool at most once."""
+def agent_monitor(episode_fn=None):
+    """The real monitor, source and store over two workers running the agent task's episodes (or
+    `episode_fn`): (source, store, monitor, engines)."""
     from april_ray.config import Config, RolloutConfig, SamplingConfig, StalenessConfig
-    from april_ray.rollout.local import LocalPool, LocalProxy, resolve
+    from april_ray.rollout.local import LocalPool, LocalProxy
     from april_ray.rollout.monitor import CompletionMonitor
     from april_ray.rollout.prompt_source import PromptSource
     from april_ray.rollout.store import PartialRolloutStore
     from april_ray.task.data import Example
 
-    c = Config(rollout=RolloutConfig(rollout_batch_size=4, over_sampling_batch_size=8, n_samples_per_prompt=2),
+    c = Config(rollout=RolloutConfig(rollout_batch_size=4, over_sampling_batch_size=8, n_samples_per_prompt=2,
+                                     episode_fn="agent:episode"),
                sampling=SamplingConfig(max_response_len=512), staleness=StalenessConfig(max_versions=100))
     journal = ToolJournal()
     engines, workers = zip(*[make_worker(journal, TranscriptEngine(tick=0.0003)) for _ in range(2)])
+    for w in workers:
+        w.episode_fn = episode_fn or w.episode_fn
     rows = lookup_countdown.generate(c.task, 200, seed=3)
     source = PromptSource([Example(i, r["prompt"], r["answer"]) for i, r in enumerate(rows)], TOK.encode, 2, 512,
                           seed=0)
     store = PartialRolloutStore(max_versions=100)
     monitor = CompletionMonitor(c.rollout, LocalPool(list(workers), [16, 16]), LocalProxy(source), LocalProxy(store),
                                 c.staleness)
+    return source, store, monitor, engines
+
+
+def test_a_group_with_an_episode_that_raised_is_dropped_not_trained(tool_log):
+    """Samples whose episode raised never reach the batch: their groups are dropped as `episode_error`, each
+    error kept by sample id (groups.jsonl writes them), counted, and the step refills the batch."""
+    from april_ray.rollout.local import resolve
+
+    async def flaky(ep):
+        if ep.sample.sample_id.endswith("s1") and int(ep.sample.group_id.split("p")[-1]) % 2:
+            await ep.generate(stop=("?",))
+            raise ValueError(f"environment broke on {ep.sample.sample_id}")
+        return await lookup_countdown.episode(ep)
+
+    source, store, monitor, _ = agent_monitor(flaky)
+    r = asyncio.run(monitor.step(0, 0))
+    batch = [resolve(h) for g in r.groups for h in g]
+    assert len(r.groups) == 4 and all(s.reward == 1.0 and "error" not in s.episode for s in batch)
+    assert r.episode_errors and all(e == f"ValueError: environment broke on {sid}" for sid, e in r.episode_errors.items())
+    failed_groups = {sid[:-2] for sid in r.episode_errors}
+    assert {g: why for g, why in r.dropped.items()} == {g: "episode_error" for g in failed_groups}
+    assert r.metrics["rollout/episode_errors"] == len(r.episode_errors) == r.metrics["rollout/groups_episode_error"]
+    assert source.num_groups_taken == 4 + len(failed_groups) + len(store)
+
+
+@pytest.mark.parametrize("kind", ["raises", "never_generates"])
+def test_a_step_where_every_episode_fails_or_nothing_is_generated_stops_with_the_error(kind):
+    from april_ray.rollout.monitor import StepFailed
+
+    async def raises(ep):
+        await ep.generate(stop=("?",))
+        {}["missing key"]
+
+    async def never_generates(ep):
+        return None
+
+    _, store, monitor, _ = agent_monitor(raises if kind == "raises" else never_generates)
+    message = (r"(?s)every episode of the \d+ groups that finished raised \(rollout.episode_fn\).*The first error:\n"
+               r"Traceback.*KeyError: 'missing key'" if kind == "raises" else
+               r"no model token was generated in the batch's 4 groups \(rollout.episode_fn: does the episode call")
+    with pytest.raises(StepFailed, match=message):
+        asyncio.run(monitor.step(0, 0))
+
+
+def test_april_steps_of_episodes_resume_them_at_their_turn_and_lose_nothing(tool_log):
+    """The real monitor, source and store over two workers running the agent task's episodes: over several
+    APRIL steps, episodes are interrupted mid-trajectory and continued at later steps (counted), the batch
+    carries environment tokens (counted), every returned episode is exactly right, no sample is returned
+    twice, and each (sample, turn) called the tool at most once."""
+    from april_ray.rollout.local import resolve
+
+    source, store, monitor, engines = agent_monitor()
 
     async def run():
         out = []
