@@ -138,8 +138,9 @@ TRAINING_SAMPLE = re.compile(r"e\d+p\d+s\d+")
 
 
 def check_tool_calls(path: Path) -> dict:
-    """Tool calls of training episodes run more than once for one (sample, turn), from an environment's log of
-    its calls (one JSON object per line with `sample` and `turn`); evaluation episodes are not training's."""
+    """Tool calls of training episodes run more than once under one key (a call of one trajectory), from an
+    environment's log of its calls (one JSON object per line with `sample` and `call`, the idempotency key
+    the tool got); evaluation episodes are not training's."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    calls = Counter((r["sample"], r["turn"]) for r in rows if TRAINING_SAMPLE.fullmatch(r["sample"]))
+    calls = Counter(r["call"] for r in rows if TRAINING_SAMPLE.fullmatch(r["sample"]))
     return {"tool_calls": sum(calls.values()), "tool_calls_run_twice": sum(c - 1 for c in calls.values() if c > 1)}
