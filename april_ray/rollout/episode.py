@@ -5,7 +5,7 @@
             text = await ep.generate(stop=("?",))          # a model turn (tokens trained)
             if not text.endswith("?"):
                 return None                                 # None: the task's reward scores the response
-            value = await ep.call_tool("lookup", lookup, text)   # recorded: never run twice
+            value = await ep.call_tool("lookup", lookup, text)   # journaled for this trajectory
             ep.append_env(f"={value}")                      # environment tokens (context, not trained)
 
 It is loaded by dotted path (`rollout.episode_fn`; `rollout.episode_kwargs` are passed after the handle).
