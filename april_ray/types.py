@@ -86,6 +86,13 @@ class EngineStats:
     reward_errors: int = 0
     """Reward calls since the last drain that raised, timed out or returned no finite number (scored 0;
     filled in by `EngineWorker.stats`)."""
+    tool_calls: int = 0
+    """Episode tool calls since the last drain that ran the tool, and of them those that raised or timed
+    out, with their wall seconds; `tool_replays`: calls answered from the journal instead (filled in by
+    `EngineWorker.stats`)."""
+    tool_errors: int = 0
+    tool_s: float = 0.0
+    tool_replays: int = 0
 
 
 class SampleState(str, enum.Enum):

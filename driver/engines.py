@@ -170,6 +170,10 @@ class EngineGroup:
                 "engine/reused_kv_tokens_total": sum(st.num_reused_tokens for st in stats),
                 "engine/version_min": min(st.version for st in stats),
                 "rollout/reward_errors": sum(st.reward_errors for st in stats),
+                "rollout/tool_calls": sum(st.tool_calls for st in stats),
+                "rollout/tool_errors": sum(st.tool_errors for st in stats),
+                "rollout/tool_replays": sum(st.tool_replays for st in stats),
+                "rollout/tool_s_mean": sum(st.tool_s for st in stats) / max(1, sum(st.tool_calls for st in stats)),
                 "engine/stats_skipped": self.stats_skipped, "engine/restarts": self.restarts}
 
     def shutdown(self) -> None:

@@ -15,7 +15,7 @@ from actors.journal import ProcessWatch
 from april_ray.rollout.engine_worker import EngineWorker
 from april_ray.rollout.episode import ToolCallsStopped, ToolJournal
 from april_ray.task.tokenizer import build_tokenizer
-from april_ray.types import FinishReason, GenerateOutput, Sample, SampleState, SamplingParams
+from april_ray.types import EngineStats, FinishReason, GenerateOutput, Sample, SamplingParams
 
 TOK = build_tokenizer()
 ALPHABET = TOK.encode("abcdefgh")
@@ -44,6 +44,9 @@ class SeededEngine:
 
     def abort_all(self):
         return 0
+
+    def stats(self, drain=True):
+        return EngineStats(0, 0, 0.0, 0, 0, 0, [])
 
 
 class Tool:
@@ -94,13 +97,17 @@ def test_a_restarted_or_redone_trajectory_gets_its_own_results_and_a_replay_reus
     replayed token for token. Every result equals the tool's answer for the trajectory that received it; the
     replay runs nothing, with the keys of the first."""
     path, tool, seen = tmp_path / "journal.jsonl", Tool(), []
-    run(worker_for(1, ToolJournal(path), agent(tool, seen)), fresh())
+    first_worker = worker_for(1, ToolJournal(path), agent(tool, seen))
+    run(first_worker, fresh())
     first = list(tool.runs)
     assert len(first) == 2 and len(set(first)) == 2
     run(worker_for(2, ToolJournal(path), agent(tool, seen)), fresh())  # restarted: another trajectory
     assert len(tool.runs) == 4 and not set(tool.runs[2:]) & set(first)
-    _, replay = run(worker_for(1, ToolJournal(path), agent(tool, seen)), fresh())  # the first one, again
+    replayer = worker_for(1, ToolJournal(path), agent(tool, seen))
+    _, replay = run(replayer, fresh())  # the first one, again
     assert len(tool.runs) == 4 and replay.reward == 1.0
+    stats, again = first_worker.stats(), replayer.stats()  # the step's metrics: rollout/tool_*
+    assert (stats.tool_calls, stats.tool_replays, again.tool_calls, again.tool_replays) == (2, 0, 0, 2)
     assert len(seen) == 6 and all(got == right for _, got, right in seen)
     assert all(key.startswith("e0p0s0/") and len(key.split("/")) == 5 for key in tool.runs)
 

@@ -43,7 +43,7 @@ from collections import Counter, deque
 from april_ray.config import EngineConfig, RolloutConfig, SamplingConfig, StalenessConfig, TaskConfig
 from april_ray.engine.probe import saturated_throughput
 from april_ray.plugins import load_object
-from april_ray.rollout.episode import Episode, EpisodeContext, Interrupted, ToolJournal
+from april_ray.rollout.episode import Episode, EpisodeContext, Interrupted, ToolJournal, ToolStats
 from april_ray.task.evaluate import EvalItem
 from april_ray.task.rewards import RewardRunner, reward_value
 from april_ray.types import FinishReason, GenerateRequest, Sample, SampleMeta, SampleState, SamplingParams
@@ -248,4 +248,6 @@ class EngineWorker:
     def stats(self, drain: bool = True):
         """The engine's statistics, with the reward errors since the last drain."""
         errors = self.reward.drain_errors() if drain else self.reward.errors
-        return dataclasses.replace(self.engine.stats(drain), reward_errors=errors)
+        tools = self.tool_stats(drain) or ToolStats()
+        return dataclasses.replace(self.engine.stats(drain), reward_errors=errors, tool_calls=tools.calls,
+                                   tool_errors=tools.errors, tool_s=tools.seconds, tool_replays=tools.replays)
