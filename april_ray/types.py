@@ -190,6 +190,8 @@ class SampleMeta:
     """Environment tokens in the response (a multi-turn episode's tool results)."""
     error: str | None = None
     """The traceback of an episode that raised: its group is dropped from training."""
+    reward_error: str | None = None
+    """Why its reward call failed (it scored 0), naming the reward's config key."""
 
 
 @dataclass(frozen=True, slots=True)

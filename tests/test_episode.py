@@ -8,6 +8,7 @@ import pytest
 from april_ray.rollout.engine_worker import EngineWorker
 from april_ray.rollout.episode import ToolJournal
 from april_ray.rollout.store import sample_from_json, sample_to_json
+from april_ray.task.rewards import RewardRunner
 from april_ray.task import lookup_countdown
 from april_ray.task.tokenizer import build_tokenizer
 from april_ray.types import FinishReason, GenerateOutput, Sample, SampleState, SamplingParams
@@ -243,7 +244,7 @@ def test_evaluation_runs_episodes():
                                        for p in prompts]  # model tokens and EOS
 
 
-def agent_monitor(episode_fn=None):
+def agent_monitor(episode_fn=None, reward_fn=None):
     """The real monitor, source and store over two workers running the agent task's episodes (or
     `episode_fn`): (source, store, monitor, engines)."""
     from april_ray.config import Config, RolloutConfig, SamplingConfig, StalenessConfig
@@ -260,6 +261,8 @@ def agent_monitor(episode_fn=None):
     engines, workers = zip(*[make_worker(journal, TranscriptEngine(tick=0.0003)) for _ in range(2)])
     for w in workers:
         w.episode_fn = episode_fn or w.episode_fn
+        if reward_fn is not None:
+            w.reward = RewardRunner(reward_fn, 5.0, log=lambda *_: None, key="task.reward_fn")
     rows = lookup_countdown.generate(c.task, 200, seed=3)
     source = PromptSource([Example(i, r["prompt"], r["answer"]) for i, r in enumerate(rows)], TOK.encode, 2, 512,
                           seed=0)
@@ -291,8 +294,10 @@ def test_a_group_with_an_episode_that_raised_is_dropped_not_trained(tool_log):
     assert source.num_groups_taken == 4 + len(failed_groups) + len(store)
 
 
-@pytest.mark.parametrize("kind", ["raises", "never_generates"])
-def test_a_step_where_every_episode_fails_or_nothing_is_generated_stops_with_the_error(kind):
+@pytest.mark.parametrize("kind", ["raises", "never_generates", "reward_text"])
+def test_a_step_where_every_sample_fails_or_nothing_is_generated_stops_with_the_error(kind):
+    """Every episode raises (the first traceback in full), no episode calls generate, or the reward returns
+    the string "0.5" for every sample (one line naming task.reward_fn): the first step stops."""
     from april_ray.rollout.monitor import StepFailed
 
     async def raises(ep):
@@ -302,10 +307,16 @@ def test_a_step_where_every_episode_fails_or_nothing_is_generated_stops_with_the
     async def never_generates(ep):
         return None
 
-    _, store, monitor, _ = agent_monitor(raises if kind == "raises" else never_generates)
-    message = (r"(?s)every episode of the \d+ groups that finished raised \(rollout.episode_fn\).*The first error:\n"
-               r"Traceback.*KeyError: 'missing key'" if kind == "raises" else
-               r"no model token was generated in the batch's 4 groups \(rollout.episode_fn: does the episode call")
+    messages = {
+        "raises": r"(?s)every sample of the \d+ groups that finished failed; nothing to train. The first error: "
+                  r"Traceback.*KeyError: 'missing key'",
+        "never_generates": r"no model token was generated in the batch's 4 groups \(rollout.episode_fn: does the "
+                           r"episode call",
+        "reward_text": r"every sample of the \d+ groups that finished failed; nothing to train. The first error: "
+                       r"task.reward_fn: ValueError\(\"returned '0.5' \(str\), not a finite real number\"\)$"}
+    episode = {"raises": raises, "never_generates": never_generates}.get(kind)
+    _, store, monitor, _ = agent_monitor(episode, reward_fn=(lambda *a: "0.5") if kind == "reward_text" else None)
+    message = messages[kind]
     with pytest.raises(StepFailed, match=message):
         asyncio.run(monitor.step(0, 0))
 

@@ -171,5 +171,5 @@ def test_a_raising_episode_is_not_trained_and_a_step_where_all_raise_stops_the_j
     _, out, stderr = run_with_plugin(tmp_path / "all", random_model_dir, user_env, "badmod", BADMOD,
                                      "rollout.episode_fn=badmod:flaky", "rollout.episode_kwargs={fail_all: true}",
                                      steps=2, expect_rc=1)
-    assert "step 0: every episode of the" in stderr and "RuntimeError: environment broke on e0p" in stderr
+    assert "step 0: every sample of the" in stderr and "RuntimeError: environment broke on e0p" in stderr
     assert not (out / "metrics.jsonl").exists() or "train/version" not in (out / "metrics.jsonl").read_text()

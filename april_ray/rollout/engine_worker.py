@@ -65,7 +65,7 @@ def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, stalene
     from transformers import AutoTokenizer
 
     from april_ray.engine import build_engine
-    from april_ray.task.rewards import build_reward_fn
+    from april_ray.task.rewards import build_reward_fn, reward_key
 
     tok = AutoTokenizer.from_pretrained(model_path)
     sampling = SamplingParams(sampling_cfg.temperature, sampling_cfg.top_p, sampling_cfg.top_k,
@@ -74,7 +74,8 @@ def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, stalene
     worker = EngineWorker(build_engine(engine_cfg, model_path, version, max_versions=kv_max_versions,
                                        weights_root=weights_root),
                           lambda ids: tok.decode(ids, skip_special_tokens=True), build_reward_fn(task), sampling,
-                          tok.encode, task.reward_timeout_s, reward_per_group=task.reward_per_group)
+                          tok.encode, task.reward_timeout_s, reward_per_group=task.reward_per_group,
+                          reward_key=reward_key(task))
     if episodes is not None and episodes.episode_fn:
         worker.use_episodes(load_object(episodes.episode_fn, "rollout.episode_fn"), journal or ToolJournal(),
                             engine_cfg.max_model_len, episodes.tool_timeout_s,
@@ -96,12 +97,13 @@ async def gather_or_cancel(*aws):
 
 class EngineWorker:
     def __init__(self, engine, decode, reward_fn, sampling: SamplingParams, encode=None,
-                 reward_timeout_s: float = TaskConfig.reward_timeout_s, reward_per_group: bool = False):
+                 reward_timeout_s: float = TaskConfig.reward_timeout_s, reward_per_group: bool = False,
+                 reward_key: str = "reward"):
         self.engine = engine
         self.decode = decode
         self.encode = encode
         """The tokenizer's encode, for callers that build evaluation items in this process."""
-        self.reward = RewardRunner(reward_fn, reward_timeout_s)
+        self.reward = RewardRunner(reward_fn, reward_timeout_s, key=reward_key)
         """Off the event loop with a timeout; a call that fails scores 0 and is counted (`stats`)."""
         self.reward_per_group = reward_per_group
         """`reward_fn` scores whole groups, once each is complete (`reward_group`)."""
@@ -136,16 +138,19 @@ class EngineWorker:
             failed = ep.finished(0.0)
             failed = dataclasses.replace(failed, episode=failed.episode | {"error": traceback.format_exc()})
             return sample_meta(failed, ep.num_new_tokens), failed
+        why = None
         if reward is not None:
             try:
                 reward = reward_value(reward)
             except ValueError as e:
-                reward = self.reward.failed(sample.prompt, f"rollout.episode_fn {e}")
+                why = f"rollout.episode_fn {e}"
+                reward = self.reward.failed(sample.prompt, why)
         done = ep.finished(reward)
         if done.reward is None and not self.reward_per_group:  # else its group's function scores it
-            reward = await self.reward(done.prompt, self.decode(done.response_ids), done.answer, done.metadata)
+            reward, why = await self.reward.score(done.prompt, self.decode(done.response_ids), done.answer,
+                                                  done.metadata)
             done = dataclasses.replace(done, reward=reward)
-        return sample_meta(done, ep.num_new_tokens), done
+        return dataclasses.replace(sample_meta(done, ep.num_new_tokens), reward_error=why), done
 
     async def generate_group(self, samples: list[Sample], step, context: list[Sample] = ()
                              ) -> tuple[list[SampleMeta], list[Sample]]:
@@ -162,19 +167,22 @@ class EngineWorker:
         done = await gather_or_cancel(*(run(s, step, f"@{step}") for s in samples))
         metas, samples = [m for m, _ in done], [s for _, s in done]
         if self.reward_per_group and all(s.state == SampleState.FINISHED for s in samples):
-            group = await self.reward_group([*samples, *context])
-            metas = [dataclasses.replace(m, reward=s.reward) for m, s in zip(metas, group)]
-            return metas + [sample_meta(s, 0) for s in group[len(samples):]], group
+            unscored = [s.reward is None for s in [*samples, *context]]  # what the group function scores
+            group, why = await self.reward_group([*samples, *context])
+            metas += [sample_meta(s, 0) for s in group[len(samples):]]
+            return [dataclasses.replace(m, reward=s.reward, reward_error=why if new else m.reward_error)
+                    for m, s, new in zip(metas, group, unscored)], group
         return metas, samples
 
-    async def reward_group(self, group: list[Sample]) -> list[Sample]:
-        """A complete group with the group function's rewards, from one call that sees every sample; a
-        sample that has a reward already (its episode returned one) keeps it."""
+    async def reward_group(self, group: list[Sample]) -> tuple[list[Sample], str | None]:
+        """A complete group with the group function's rewards, from one call that sees every sample (and why
+        that call failed, or None); a sample that has a reward already (its episode returned one) keeps it."""
         if all(s.reward is not None for s in group):
-            return group
-        rewards = await self.reward.group([s.prompt for s in group], [self.decode(s.response_ids) for s in group],
-                                          [s.answer for s in group], [s.metadata for s in group])
-        return [s if s.reward is not None else dataclasses.replace(s, reward=r) for s, r in zip(group, rewards)]
+            return group, None
+        rewards, why = await self.reward.score_group([s.prompt for s in group],
+                                                     [self.decode(s.response_ids) for s in group],
+                                                     [s.answer for s in group], [s.metadata for s in group])
+        return [s if s.reward is not None else dataclasses.replace(s, reward=r) for s, r in zip(group, rewards)], why
 
     async def score(self, prompt: str, response: str, answer: str, metadata: dict) -> float:
         """One response's reward outside a group (evaluation): with `task.reward_per_group`, a group of one."""
@@ -190,10 +198,12 @@ class EngineWorker:
         sampling = dataclasses.replace(self.sampling, max_new_tokens=sample.remaining_budget)
         out = await self.engine.generate(GenerateRequest(sample.sample_id + tag, sample.input_ids, sampling))
         sample = sample.extended(out)
+        why = None
         if sample.state == SampleState.FINISHED and not self.reward_per_group:
-            reward = await self.reward(sample.prompt, self.decode(sample.response_ids), sample.answer, sample.metadata)
+            reward, why = await self.reward.score(sample.prompt, self.decode(sample.response_ids), sample.answer,
+                                                  sample.metadata)
             sample = dataclasses.replace(sample, reward=reward)
-        return sample_meta(sample, out.num_tokens), sample
+        return dataclasses.replace(sample_meta(sample, out.num_tokens), reward_error=why), sample
 
     async def throughput_probe(self, prompts: list[list[int]], concurrency: int, seconds: float,
                                warmup_s: float = 1.0) -> tuple[int, float, float]:

@@ -275,8 +275,10 @@ class CompletionMonitor:
         environment must not teach the policy) or the dynamic filter drops it."""
         metas = s.flights[gid].metas
         errors = {m.sample_id: m.error for m in metas if m.error}
+        failures = [m.error or m.reward_error for m in metas if m.error or m.reward_error]
         s.num_groups_done += 1
-        s.num_groups_failed += len(errors) == len(metas)
+        s.num_groups_failed += len(failures) == len(metas)
+        s.first_failure = s.first_failure or next(iter(failures), None)
         s.episode_errors |= errors
         reason = "episode_error" if errors else filter_reason(metas) if self.cfg.dynamic_filter else None
         if reason is not None:
@@ -285,12 +287,12 @@ class CompletionMonitor:
             s.completed.append(gid)
 
     def _all_failed(self, s: StepState) -> str | None:
-        """Every episode of the step's first N complete groups raised: the environment is broken."""
+        """Every sample of the step's first N complete groups failed (its episode raised, or its reward call
+        failed): the environment or the reward is broken, and there is nothing to train."""
         if s.num_groups_failed < self.cfg.rollout_batch_size or s.num_groups_failed < s.num_groups_done:
             return None
-        first = next(iter(s.episode_errors.values()))
-        return (f"step {s.step}: every episode of the {s.num_groups_done} groups that finished raised "
-                f"(rollout.episode_fn); nothing to train. The first error:\n{first}")
+        return (f"step {s.step}: every sample of the {s.num_groups_done} groups that finished failed; nothing to "
+                f"train. The first error: {s.first_failure}")
 
     def _nothing_to_train(self, s: StepState) -> str | None:
         """A batch without one model token (an episode that never calls `ep.generate`)."""

@@ -148,7 +148,10 @@ class StepState:
     """Sample id -> traceback, of the episodes that raised in the groups dropped as `episode_error`."""
     num_groups_done: int = 0
     num_groups_failed: int = 0
-    """Groups complete this step, and those of them in which every episode raised."""
+    """Groups complete this step, and those of them in which every sample failed: its episode raised, or
+    its reward call failed."""
+    first_failure: str | None = None
+    """The first of those errors (an episode's traceback, or a reward's error naming its key)."""
     generated_tokens: int = 0
     num_fresh: int = 0
     num_resumed: int = 0

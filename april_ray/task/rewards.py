@@ -76,6 +76,11 @@ def after_think(fn: RewardFn) -> RewardFn:
     return scored
 
 
+def reward_key(task: TaskConfig) -> str:
+    """The config key that chose the reward, for its errors."""
+    return "task.reward_fn" if task.reward_fn else "task.reward_url" if task.reward_url else f"task.name={task.name}"
+
+
 def build_reward_fn(task: TaskConfig) -> RewardFn | GroupRewardFn:
     """The reward the config asks for: task.reward_fn (a group function with task.reward_per_group),
     task.reward_url, or the task's own."""
@@ -146,8 +151,10 @@ class RewardRunner:
     `hung` counts them.
     """
 
-    def __init__(self, fn: RewardFn, timeout_s: float, log=print, max_logged: int = 5):
+    def __init__(self, fn: RewardFn, timeout_s: float, log=print, max_logged: int = 5, key: str = "reward"):
+        """`key`: where the reward comes from (`task.reward_fn`, ...), to name it in the errors returned."""
         self.fn = fn
+        self.key = key
         self.num_args = 4 if accepts(fn, *range(4)) else 3
         """A function of (prompt, response, answer) alone is called without the metadata."""
         self.timeout_s = timeout_s
@@ -160,27 +167,36 @@ class RewardRunner:
 
     async def __call__(self, prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
         """One response's reward, from a per-sample function."""
+        return (await self.score(prompt, response, answer, metadata))[0]
+
+    async def score(self, prompt: str, response: str, answer: str, metadata: dict | None = None
+                    ) -> tuple[float, str | None]:
+        """(reward, why the call failed or None): a failed call scores 0."""
         args = (prompt, response, answer, metadata or {})[:self.num_args]
-        [reward] = await self._score(args, prompt, 1, lambda value: [reward_value(value)])
-        return reward
+        [reward], why = await self._score(args, prompt, 1, lambda value: [reward_value(value)])
+        return reward, why
 
     async def group(self, prompts: list[str], responses: list[str], answers: list[str],
                     metadatas: list[dict]) -> list[float]:
         """A group's rewards, one per response in the same order, from a group function in one call; a call
         that fails scores every response 0, each one counted."""
+        return (await self.score_group(prompts, responses, answers, metadatas))[0]
+
+    async def score_group(self, prompts: list[str], responses: list[str], answers: list[str],
+                          metadatas: list[dict]) -> tuple[list[float], str | None]:
         args = (prompts, responses, answers, metadatas)[:self.num_args]
         return await self._score(args, prompts[0], len(prompts), lambda value: _numbers(value, len(prompts)))
 
-    async def _score(self, args, prompt: str, n: int, read) -> list[float]:
-        """`read` turns the function's value into `n` rewards, or raises."""
+    async def _score(self, args, prompt: str, n: int, read) -> tuple[list[float], str | None]:
+        """`read` turns the function's value into `n` rewards, or raises; with why it failed (None)."""
         try:
-            return read(await asyncio.wait_for(self._start(args), self.timeout_s))
+            return read(await asyncio.wait_for(self._start(args), self.timeout_s)), None
         except asyncio.TimeoutError:
             self.hung += 1
             why = f"no result within task.reward_timeout_s={self.timeout_s:g}s"
         except Exception as e:  # the function's own error, or a result that is not a number
             why = repr(e)
-        return [self._error(prompt, why, n)] * n
+        return [self._error(prompt, why, n)] * n, f"{self.key}: {why}"
 
     def _start(self, args) -> Awaitable:
         """An async function runs on the event loop (cancelled at the timeout); a plain one in a thread."""
