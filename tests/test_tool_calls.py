@@ -177,6 +177,9 @@ def test_no_new_call_starts_once_the_driver_is_gone_but_recorded_results_are_ans
     assert "ToolCallsStopped" in meta.error and len(tool.runs) == 2
     with pytest.raises(ToolCallsStopped):
         asyncio.run(closed.begin("x/1/0/h/digest"))
+    evaluating = worker_for(2, closed, agent(tool, seen))  # evaluation's own journal asks the job's too
+    [(reward, _)] = asyncio.run(evaluating.evaluate([("q", TOK.encode("q:"), "", {})], 1.0, "eval"))
+    assert reward == 0.0 and len(tool.runs) == 2
 
 
 def test_the_watch_sees_a_killed_process_go():

@@ -43,7 +43,8 @@ from collections import Counter, deque
 from april_ray.config import EngineConfig, RolloutConfig, SamplingConfig, StalenessConfig, TaskConfig
 from april_ray.engine.probe import saturated_throughput
 from april_ray.plugins import load_object
-from april_ray.rollout.episode import Episode, EpisodeContext, Interrupted, ToolJournal, ToolStats
+from april_ray.rollout.episode import (Episode, EpisodeContext, EvaluationJournal, Interrupted, ToolJournal,
+                                      ToolStats)
 from april_ray.task.evaluate import EvalItem
 from april_ray.task.rewards import RewardRunner, reward_value
 from april_ray.types import FinishReason, GenerateRequest, Sample, SampleMeta, SampleState, SamplingParams
@@ -229,9 +230,11 @@ class EngineWorker:
         return [(r, o.num_tokens) for r, o in zip(rewards, outs)]
 
     async def evaluate_episode(self, item: EvalItem, sampling: SamplingParams, rid: str) -> tuple[float, int]:
-        """One evaluation episode: its own journal (nothing of it is kept), never aborted."""
+        """One evaluation episode: its own journal (nothing of it is kept; no call starts once the driver is
+        gone), never aborted."""
         prompt, ids, answer, metadata = item
-        ctx = dataclasses.replace(self.episodes, sampling=sampling, journal=ToolJournal(), closed_steps=())
+        ctx = dataclasses.replace(self.episodes, sampling=sampling, journal=EvaluationJournal(self.episodes.journal),
+                                  closed_steps=())
         sample = Sample(rid, rid, prompt, answer, ids, sampling.max_new_tokens, metadata=metadata)
         meta, done = await self.run_episode(sample, None, "", ctx)
         if meta.error:  # held-out accuracy counts it as a wrong answer; the error is logged

@@ -95,6 +95,21 @@ class ToolJournal:
         self.results[key] = value
 
 
+class EvaluationJournal(ToolJournal):
+    """An evaluation episode's: in memory, so nothing of an evaluation is kept or reused by another; a new
+    call still asks the job's journal first, so none starts once the driver is gone."""
+
+    def __init__(self, job_journal):
+        super().__init__()
+        self.job_journal = job_journal
+
+    async def begin(self, key: str):
+        if key in self.results:
+            return self.results[key]
+        await self.job_journal.begin(key)  # evaluation's sample ids are never training's: None, or it refuses
+        return None
+
+
 @dataclasses.dataclass
 class ToolStats:
     """Tool calls of one engine's episodes since the last drain (`rollout/tool_*`)."""
