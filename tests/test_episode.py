@@ -287,7 +287,8 @@ def test_a_group_with_an_episode_that_raised_is_dropped_not_trained(tool_log):
     r = asyncio.run(monitor.step(0, 0))
     batch = [resolve(h) for g in r.groups for h in g]
     assert len(r.groups) == 4 and all(s.reward == 1.0 and "error" not in s.episode for s in batch)
-    assert r.episode_errors and all(e == f"ValueError: environment broke on {sid}" for sid, e in r.episode_errors.items())
+    assert r.episode_errors
+    assert all(e == f"ValueError: environment broke on {sid}" for sid, e in r.episode_errors.items())
     failed_groups = {sid[:-2] for sid in r.episode_errors}
     assert {g: why for g, why in r.dropped.items()} == {g: "episode_error" for g in failed_groups}
     assert r.metrics["rollout/episode_errors"] == len(r.episode_errors) == r.metrics["rollout/groups_episode_error"]

@@ -163,7 +163,8 @@ def test_a_raising_episode_is_not_trained_and_a_step_where_all_raise_stops_the_j
     failed = {sid for r in steps for sid in r["episode_errors"]}
     trained = {sid for r in steps for ids in r["samples"].values() for sid in ids}
     assert failed and not failed & trained and all(len(r["returned"]) == 4 for r in steps)
-    assert all(e == f"RuntimeError: environment broke on {sid}" for r in steps for sid, e in r["episode_errors"].items())
+    assert all(e == f"RuntimeError: environment broke on {sid}"
+               for r in steps for sid, e in r["episode_errors"].items())
     assert {g for r in steps for g, why in r["dropped"].items() if why == "episode_error"} == {s[:-2] for s in failed}
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert sum(m.get("rollout/episode_errors", 0) for m in metrics) == len(failed)

@@ -26,8 +26,8 @@ samples for the rewarded ones before the group meets the dynamic filter. A call 
 a closed step, or lost with its engine returns no context: the group stays unrewarded and the call that
 later completes it scores it from scratch (on a lost call the function may run again; its first values
 never reach anyone). Episodes run first and the group function scores their final responses: an episode
-that returns a number (or raises: 0, and its group is dropped) keeps it, as without the flag, and the group function scores those
-that return None, seeing the whole group either way.
+that returns a number keeps it (one that raises: its group is dropped), as without the flag, and the group
+function scores those that return None, seeing the whole group either way.
 
 An episode that raises is not scored: its sample comes back FINISHED with the error in its episode record
 (`SampleMeta.error`), and the monitor drops its group from training (april_ray/rollout/monitor.py), so a
