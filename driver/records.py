@@ -4,8 +4,9 @@ One row per step, written before that step's checkpoint (so a resumed run never 
 steps it kept): the group ids returned for training with their sample ids, the groups the dynamic filter
 dropped with the reason (or as `episode_error`, each raising sample's error in `episode_errors`), those
 the over-provisioned baseline discarded, the trained tokens by age, and the engine crashes the monitor saw.
-A last row, `"end": true`, holds the prompt source's cursor and the ids of the groups left in the store. Together they account for every group taken from the source: returned,
-dropped, discarded or stored (`check_records`, which the chaos job runs).
+A last row, `"end": true`, holds the prompt source's cursor and the ids of the groups left in the store.
+Together they account for every group taken from the source: returned, dropped, discarded or stored
+(`check_records`, which the chaos job runs).
 """
 from __future__ import annotations
 
