@@ -170,6 +170,10 @@ class CompletionMonitor:
         """Fill the in-flight set back up to its target (store first) and dispatch; returns a failure."""
         need = self._in_flight_target(s)
         if need > 0 and len(s.dropped) > self.cfg.max_filtered_groups:
+            raised = sum(r == "episode_error" for r in s.dropped.values())
+            if raised:
+                return (f"step {s.step}: {len(s.dropped)} groups were dropped, {raised} of them because an episode "
+                        f"raised (rollout.max_filtered_groups); the first error: {s.first_failure}")
             return (f"step {s.step}: the dynamic filter dropped {len(s.dropped)} groups (all rewards equal) and "
                     f"only {len(s.completed)} of {self.cfg.rollout_batch_size} were kept; the task is too easy "
                     f"or too hard for the policy (raise rollout.max_filtered_groups or disable rollout.dynamic_filter)")
