@@ -71,12 +71,13 @@ def where(fn) -> str:
     return "?"
 
 
-def check_reward_fn(fn, key: str) -> None:
-    """A reward, per sample or per group: callable with (prompts/prompt, responses/response, answers/answer[,
-    metadatas/metadata]), plain or async."""
+def check_reward_fn(fn, key: str, per_group: bool = False) -> None:
+    """A reward, per sample or per group: callable with (prompt, response, answer[, metadata]) or their
+    lists, plain or async."""
     if not accepts(fn, *range(4)) and not accepts(fn, *range(3)):
+        args = "prompts, responses, answers[, metadatas]" if per_group else "prompt, response, answer[, metadata]"
         raise ValueError(f"{key}: {getattr(fn, '__qualname__', fn)}{_signature(fn)} in {where(fn)} cannot be "
-                         "called with (prompt, response, answer[, metadata])")
+                         f"called with ({args})")
 
 
 def check_episode_fn(fn, key: str, kwargs: dict) -> None:
@@ -103,7 +104,8 @@ def check_plugins(cfg) -> None:
 
     try:
         if cfg.task.reward_fn:
-            check_reward_fn(load_object(cfg.task.reward_fn, "task.reward_fn"), "task.reward_fn")
+            fn = load_object(cfg.task.reward_fn, "task.reward_fn")
+            check_reward_fn(fn, "task.reward_fn", cfg.task.reward_per_group)
         if cfg.rollout.episode_fn:
             check_episode_fn(load_object(cfg.rollout.episode_fn, "rollout.episode_fn"), "rollout.episode_fn",
                              dict(cfg.rollout.episode_kwargs))
