@@ -254,7 +254,16 @@ class RolloutConfig:
     """Multi-turn episodes: an async function `module:function` that drives each sample through its turns
     (april_ray/rollout/episode.py); it must be importable on every node. Empty: one engine call per sample."""
     tool_timeout_s: float = positive(60.0)
-    """An episode's async tool call running longer fails (the episode scores 0, counted with the reward errors)."""
+    """An episode's tool call (`ep.call_tool`, async or plain) running longer raises in the episode (one
+    that lets it through fails: its group is dropped, not trained)."""
+    episode_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments every call of `episode_fn` gets after the handle (an environment's settings)."""
+    max_turns: int = non_negative(0)
+    """An episode's model turns at most: a `generate` past the last one returns "" with finish reason
+    LENGTH. 0: no limit."""
+    max_env_tokens_per_turn: int = non_negative(0)
+    """Environment tokens one `append_env` may add; longer ones are cut to this (the last tokens dropped).
+    0: no limit."""
 
 
 def over_sampling_batch_size(factor: float, rollout_batch_size: int) -> int:

@@ -86,6 +86,13 @@ class EngineStats:
     reward_errors: int = 0
     """Reward calls since the last drain that raised, timed out or returned no finite number (scored 0;
     filled in by `EngineWorker.stats`)."""
+    tool_calls: int = 0
+    """Episode tool calls since the last drain that ran the tool, and of them those that raised or timed
+    out, with their wall seconds; `tool_replays`: calls answered from the journal instead (filled in by
+    `EngineWorker.stats`)."""
+    tool_errors: int = 0
+    tool_s: float = 0.0
+    tool_replays: int = 0
 
 
 class SampleState(str, enum.Enum):
@@ -183,6 +190,10 @@ class SampleMeta:
     """Environment tokens in the response (a multi-turn episode's tool results)."""
     in_episode: bool = False
     """The sample carries a multi-turn episode's state (it goes on at its turn when resumed)."""
+    error: str | None = None
+    """The traceback of an episode that raised: its group is dropped from training."""
+    reward_error: str | None = None
+    """Why its reward call failed (it scored 0), naming the reward's config key."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +246,9 @@ class StepResult:
     """Their sample handles, in `dropped` order: filtered groups are kept for the consumer, not discarded."""
     discarded: list[str] = field(default_factory=list)
     """Ids of the groups the over-provisioned baseline threw away this step (`rollout.schedule=oversample`)."""
+    episode_errors: dict[str, str] = field(default_factory=dict)
+    """Sample id -> the last line of its episode's error, for the samples of the groups dropped as
+    `episode_error` this step."""
 
 
 @dataclass(frozen=True, slots=True)

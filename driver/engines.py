@@ -13,6 +13,7 @@ back to the monitor (driver/rollout.py). Every other call here skips or retries 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -234,6 +235,10 @@ class EngineGroup:
                 "engine/reused_kv_tokens_total": sum(st.num_reused_tokens for st in stats),
                 "engine/version_min": min(st.version for st in stats),
                 "rollout/reward_errors": sum(st.reward_errors for st in stats),
+                "rollout/tool_calls": sum(st.tool_calls for st in stats),
+                "rollout/tool_errors": sum(st.tool_errors for st in stats),
+                "rollout/tool_replays": sum(st.tool_replays for st in stats),
+                "rollout/tool_s_mean": sum(st.tool_s for st in stats) / max(1, sum(st.tool_calls for st in stats)),
                 "engine/stats_skipped": self.stats_skipped, "engine/restarts": self.restarts}
 
     def shutdown(self) -> None:
@@ -254,7 +259,7 @@ def start_journal(cfg: Config):
         return None
     node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     path = Path(cfg.train.output_dir).resolve() / "tool_journal.jsonl"
-    return ToolJournalActor.options(scheduling_strategy=node).remote(str(path))
+    return ToolJournalActor.options(scheduling_strategy=node).remote(str(path), os.getpid())  # gone: no new call
 
 
 def settle(refs: list, timeout_s: float | None = None) -> list:

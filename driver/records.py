@@ -2,10 +2,11 @@
 
 One row per step, written before that step's checkpoint (so a resumed run never lacks the rows of the
 steps it kept): the group ids returned for training with their sample ids, the groups the dynamic filter
-dropped with the reason, those the over-provisioned baseline discarded, the trained tokens by age, and the
-engine crashes the monitor saw. A last row, `"end": true`, holds the prompt source's cursor and the ids of
-the groups left in the store. Together they account for every group taken from the source: returned,
-dropped, discarded or stored (`check_records`, which the chaos job runs).
+dropped with the reason (or as `episode_error`, each raising sample's error in `episode_errors`), those
+the over-provisioned baseline discarded, the trained tokens by age, and the engine crashes the monitor saw.
+A last row, `"end": true`, holds the prompt source's cursor and the ids of the groups left in the store.
+Together they account for every group taken from the source: returned, dropped, discarded or stored
+(`check_records`, which the chaos job runs).
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ class GroupLog:
             "returned": list(batch.returned_group_ids),
             "samples": {gid: [m.sample_id for m in metas] for gid, metas in zip(batch.returned_group_ids, batch.metas)},
             "dropped": dict(batch.dropped),
+            "episode_errors": dict(batch.episode_errors),
             "discarded": list(batch.discarded),
             "staleness": {str(age): n for age, n in batch.staleness.items()},
             "max_versions": self.staleness.max_versions, "policy": self.staleness.policy,
@@ -137,8 +139,9 @@ TRAINING_SAMPLE = re.compile(r"e\d+p\d+s\d+")
 
 
 def check_tool_calls(path: Path) -> dict:
-    """Tool calls of training episodes run more than once for one (sample, turn), from an environment's log of
-    its calls (one JSON object per line with `sample` and `turn`); evaluation episodes are not training's."""
+    """Tool calls of training episodes run more than once under one key (a call of one trajectory), from an
+    environment's log of its calls (one JSON object per line with `sample` and `call`, the idempotency key
+    the tool got); evaluation episodes are not training's."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    calls = Counter((r["sample"], r["turn"]) for r in rows if TRAINING_SAMPLE.fullmatch(r["sample"]))
+    calls = Counter(r["call"] for r in rows if TRAINING_SAMPLE.fullmatch(r["sample"]))
     return {"tool_calls": sum(calls.values()), "tool_calls_run_twice": sum(c - 1 for c in calls.values() if c > 1)}

@@ -9,8 +9,8 @@ from pathlib import Path
 from april_ray.config import Config, to_yaml
 from april_ray.model import ensure_model
 from april_ray.placement import Layout, plan
+from april_ray.plugins import check_plugins
 from april_ray.task.data import dataset_paths, fit_context, read_examples
-from april_ray.task.rewards import build_reward_fn
 from driver.checkpoint import current_run, new_run_id, open_run
 from driver.output_dir import OutputLock
 
@@ -24,9 +24,9 @@ class JobInputs:
 
 
 def prepare(cfg: Config) -> JobInputs:
-    """Build (or reuse) the embedded model and task data, and plan the placement group. A reward function
-    that does not import stops the job here, naming task.reward_fn, before any actor starts."""
-    build_reward_fn(cfg.task)
+    """Build (or reuse) the embedded model and task data, and plan the placement group. A plug-in that does
+    not import or has the wrong signature stops the job here, naming its key, before any actor starts."""
+    check_plugins(cfg)
     model_path = ensure_model(cfg)
     train_path, eval_path = dataset_paths(cfg.task, cfg.model.cache_dir)
     check_data(cfg, model_path, train_path, eval_path)

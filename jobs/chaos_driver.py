@@ -16,10 +16,11 @@ only:
   dropped or stored exactly once (`prompts_consumed_twice`, `prompts_skipped`; a group id is a prompt of
   one epoch), and no sample is trained twice;
 - `metrics.jsonl`: every step once, and the policy versions 1, 2, ... without a gap or a repeat;
-- with the agent task, its log of tool runs against the job's tool journal as each kill left it: no call
-  whose result was journaled runs again (`tool_calls_run_twice`); a call running when the kill took the
-  whole job is run again by the resumed job, counted apart (`tool_calls_rerun_unjournaled`); and episodes
-  come back from the checkpointed store at their turn (`episodes_resumed_after_restart`);
+- with the agent task, its log of tool runs (each with its call's key, which binds it to its trajectory)
+  against the job's tool journal as each kill left it: no call whose result was journaled runs again
+  (`tool_calls_run_twice`); a call running when the kill took the whole job and run again with the same
+  key (its trajectory replayed) is counted apart (`tool_calls_rerun_unjournaled`); and episodes come back
+  from the checkpointed store at their turn (`episodes_resumed_after_restart`);
 - the processes under each killed driver (its local Ray), recorded just before the kill: those still
   running at the end are `stray_processes`.
 """
@@ -165,19 +166,19 @@ def step_rows(metrics: Path) -> list[tuple[str, int]]:
 
 @dataclass(frozen=True)
 class ToolRecords:
-    """The agent task's log of tool runs (one line per run, as `(sample, turn)`) and the job's tool journal
-    (the keys of the results it recorded, as `(sample, turn)`), read together: after a kill, once the job's
-    processes are gone, they are what the next run starts from."""
+    """The agent task's log of tool runs (one line per run, with its call's key: `rollout/episode.py`'s
+    `tool_key`, handed to the tool as its idempotency key) and the keys of the results the job's tool journal
+    recorded, read together: after a kill, once the job's processes are gone, they are what the next run
+    starts from."""
 
-    runs: tuple[tuple[str, int], ...]
-    journaled: frozenset[tuple[str, int]]
+    runs: tuple[str, ...]
+    journaled: frozenset[str]
 
     @classmethod
     def read(cls, out: Path) -> "ToolRecords":
         log, journal = out / "tool_calls.jsonl", out / "tool_journal.jsonl"
-        runs = [(r["sample"], r["turn"]) for r in read_jsonl(log) if TRAINING_SAMPLE.fullmatch(r["sample"])]
-        keys = [entry[0].split("/") for entry in read_jsonl(journal)]
-        return cls(tuple(runs), frozenset((k[0], int(k[1])) for k in keys))
+        runs = [r["call"] for r in read_jsonl(log) if TRAINING_SAMPLE.fullmatch(r["sample"])]
+        return cls(tuple(runs), frozenset(entry[0] for entry in read_jsonl(journal)))
 
 
 def read_jsonl(path: Path) -> list:
@@ -192,8 +193,8 @@ def read_jsonl(path: Path) -> list:
 
 
 def tool_calls_across_kills(final: ToolRecords, at_kills: list[ToolRecords]) -> dict:
-    """Training tool calls run more than once for one (sample, turn), told apart by what the journal held when
-    the run before was killed. A call whose result was journaled is final: running it again is an error
+    """Training tool calls run more than once under one key, told apart by what the journal held when the
+    run before was killed. A call whose result was journaled is final: running it again is an error
     (`tool_calls_run_twice`). A call that was running when SIGKILL took the whole job (the tool ran, its
     result never reached the journal) is run again by the resumed job: counted apart
     (`tool_calls_rerun_unjournaled`); a tool with side effects has to be idempotent for those."""

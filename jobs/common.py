@@ -15,6 +15,7 @@ if not sys.stderr.isatty():
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from april_ray.config import Config, ConfigError, add_config_args, config_from_args  # noqa: E402
+from april_ray.plugins import check_plugins  # noqa: E402
 
 
 def parse(description: str, extra=None) -> tuple[Config, argparse.Namespace]:
@@ -24,9 +25,14 @@ def parse(description: str, extra=None) -> tuple[Config, argparse.Namespace]:
         extra(parser)
     args = parser.parse_intermixed_args()  # overrides may come before or after --flags
     try:
-        return config_from_args(args), args
+        cfg = config_from_args(args)
     except ConfigError as e:
         parser.error(str(e))
+    try:
+        check_plugins(cfg)  # before Ray starts: a bad plug-in is one line, not an actor's traceback
+    except ConfigError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    return cfg, args
 
 
 def write_result(path: str | None, result: dict) -> None:

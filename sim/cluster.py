@@ -41,6 +41,9 @@ class InlineReward:
     async def __call__(self, prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
         return self.fn(prompt, response, answer)
 
+    async def score(self, prompt: str, response: str, answer: str, metadata: dict | None = None):
+        return self.fn(prompt, response, answer), None
+
     def drain_errors(self) -> int:
         return 0
 

@@ -8,6 +8,7 @@ import pytest
 from april_ray.rollout.engine_worker import EngineWorker
 from april_ray.rollout.episode import ToolJournal
 from april_ray.rollout.store import sample_from_json, sample_to_json
+from april_ray.task.rewards import RewardRunner
 from april_ray.task import lookup_countdown
 from april_ray.task.tokenizer import build_tokenizer
 from april_ray.types import FinishReason, GenerateOutput, Sample, SampleState, SamplingParams
@@ -200,23 +201,26 @@ def test_an_engine_crash_resends_the_episode_as_sent_and_no_returned_tool_call_r
 def test_the_journal_file_survives_a_restart(tmp_path):
     path = tmp_path / "journal.jsonl"
     first = ToolJournal(path)
-    asyncio.run(first.put("s/1/0/lookup", {"value": 12}))
-    asyncio.run(first.put("s/1/0/lookup", {"value": 99}))  # a key is recorded once
+    asyncio.run(first.put("s/1/0/h/lookup", {"value": 12}))
+    asyncio.run(first.put("s/1/0/h/lookup", {"value": 99}))  # a key is recorded once
     with open(path, "a") as f:
-        f.write('["s/2/0/lookup", {"val')  # cut by a crash mid-write: that call never returned
+        f.write('["s/2/0/h/lookup", {"val')  # cut by a crash mid-write: that call never returned
     again = ToolJournal(path)
-    assert asyncio.run(again.get("s/1/0/lookup")) == {"value": 12} and asyncio.run(again.get("s/2/0/lookup")) is None
+    assert asyncio.run(again.begin("s/1/0/h/lookup")) == {"value": 12}
+    assert asyncio.run(again.begin("s/2/0/h/lookup")) is None
 
 
-def test_an_episode_that_raises_scores_zero_and_is_counted():
+def test_an_episode_that_raises_is_not_scored_and_carries_its_error():
     async def broken(ep):
         await ep.generate(stop=("?",))
         raise KeyError("bug")
 
     _, worker = make_worker()
     worker.episode_fn = broken
-    [_], [s] = asyncio.run(worker.generate_group([fresh("ab-1:")], ("run", 0)))
-    assert s.state == SampleState.FINISHED and s.reward == 0.0 and worker.reward.errors == 1
+    [meta], [s] = asyncio.run(worker.generate_group([fresh("ab-1:")], ("run", 0)))
+    assert s.state == SampleState.FINISHED and worker.reward.errors == 0  # not a reward: its group is dropped
+    assert "Traceback" in meta.error and meta.error.strip().endswith("KeyError: 'bug'")
+    assert s.episode["error"] == meta.error
 
 
 def test_episode_state_must_be_json():
@@ -226,8 +230,8 @@ def test_episode_state_must_be_json():
 
     _, worker = make_worker()
     worker.episode_fn = bad_state
-    [_], [s] = asyncio.run(worker.generate_group([fresh("ab-1:")], ("run", 0)))
-    assert s.reward == 0.0 and worker.reward.errors == 1
+    [meta], [_] = asyncio.run(worker.generate_group([fresh("ab-1:")], ("run", 0)))
+    assert "episode state of e0p0s0: not JSON values" in meta.error
 
 
 def test_evaluation_runs_episodes():
@@ -240,28 +244,92 @@ def test_evaluation_runs_episodes():
                                        for p in prompts]  # model tokens and EOS
 
 
-def test_april_steps_of_episodes_resume_them_at_their_turn_and_lose_nothing(tool_log):
-    """The real monitor, source and store over two workers running the agent task's episodes: over several
-    APRIL steps, episodes are interrupted mid-trajectory and continued at later steps (counted), the batch
-    carries environment tokens (counted), every returned episode is exactly right, no sample is returned
-    twice, and each (sample, turn) called the tool at most once."""
+def agent_monitor(episode_fn=None, reward_fn=None):
+    """The real monitor, source and store over two workers running the agent task's episodes (or
+    `episode_fn`): (source, store, monitor, engines)."""
     from april_ray.config import Config, RolloutConfig, SamplingConfig, StalenessConfig
-    from april_ray.rollout.local import LocalPool, LocalProxy, resolve
+    from april_ray.rollout.local import LocalPool, LocalProxy
     from april_ray.rollout.monitor import CompletionMonitor
     from april_ray.rollout.prompt_source import PromptSource
     from april_ray.rollout.store import PartialRolloutStore
     from april_ray.task.data import Example
 
-    c = Config(rollout=RolloutConfig(rollout_batch_size=4, over_sampling_batch_size=8, n_samples_per_prompt=2),
+    c = Config(rollout=RolloutConfig(rollout_batch_size=4, over_sampling_batch_size=8, n_samples_per_prompt=2,
+                                     episode_fn="agent:episode"),
                sampling=SamplingConfig(max_response_len=512), staleness=StalenessConfig(max_versions=100))
     journal = ToolJournal()
     engines, workers = zip(*[make_worker(journal, TranscriptEngine(tick=0.0003)) for _ in range(2)])
+    for w in workers:
+        w.episode_fn = episode_fn or w.episode_fn
+        if reward_fn is not None:
+            w.reward = RewardRunner(reward_fn, 5.0, log=lambda *_: None, key="task.reward_fn")
     rows = lookup_countdown.generate(c.task, 200, seed=3)
     source = PromptSource([Example(i, r["prompt"], r["answer"]) for i, r in enumerate(rows)], TOK.encode, 2, 512,
                           seed=0)
     store = PartialRolloutStore(max_versions=100)
     monitor = CompletionMonitor(c.rollout, LocalPool(list(workers), [16, 16]), LocalProxy(source), LocalProxy(store),
                                 c.staleness)
+    return source, store, monitor, engines
+
+
+def test_a_group_with_an_episode_that_raised_is_dropped_not_trained(tool_log):
+    """Samples whose episode raised never reach the batch: their groups are dropped as `episode_error`, each
+    error kept by sample id (groups.jsonl writes them), counted, and the step refills the batch."""
+    from april_ray.rollout.local import resolve
+
+    async def flaky(ep):
+        if ep.sample.sample_id.endswith("s1") and int(ep.sample.group_id.split("p")[-1]) % 2:
+            await ep.generate(stop=("?",))
+            raise ValueError(f"environment broke on {ep.sample.sample_id}")
+        return await lookup_countdown.episode(ep)
+
+    source, store, monitor, _ = agent_monitor(flaky)
+    r = asyncio.run(monitor.step(0, 0))
+    batch = [resolve(h) for g in r.groups for h in g]
+    assert len(r.groups) == 4 and all(s.reward == 1.0 and "error" not in s.episode for s in batch)
+    assert r.episode_errors
+    assert all(e == f"ValueError: environment broke on {sid}" for sid, e in r.episode_errors.items())
+    failed_groups = {sid[:-2] for sid in r.episode_errors}
+    assert {g: why for g, why in r.dropped.items()} == {g: "episode_error" for g in failed_groups}
+    assert r.metrics["rollout/episode_errors"] == len(r.episode_errors) == r.metrics["rollout/groups_episode_error"]
+    assert source.num_groups_taken == 4 + len(failed_groups) + len(store)
+
+
+@pytest.mark.parametrize("kind", ["raises", "never_generates", "reward_text"])
+def test_a_step_where_every_sample_fails_or_nothing_is_generated_stops_with_the_error(kind):
+    """Every episode raises (the first traceback in full), no episode calls generate, or the reward returns
+    the string "0.5" for every sample (one line naming task.reward_fn): the first step stops."""
+    from april_ray.rollout.monitor import StepFailed
+
+    async def raises(ep):
+        await ep.generate(stop=("?",))
+        {}["missing key"]
+
+    async def never_generates(ep):
+        return None
+
+    messages = {
+        "raises": r"(?s)every sample of the \d+ groups that finished failed; nothing to train. The first error: "
+                  r"Traceback.*KeyError: 'missing key'",
+        "never_generates": r"no model token was generated in the batch's 4 groups \(rollout.episode_fn: does the "
+                           r"episode call",
+        "reward_text": r"every sample of the \d+ groups that finished failed; nothing to train. The first error: "
+                       r"task.reward_fn: ValueError\(\"returned '0.5' \(str\), not a finite real number\"\)$"}
+    episode = {"raises": raises, "never_generates": never_generates}.get(kind)
+    _, store, monitor, _ = agent_monitor(episode, reward_fn=(lambda *a: "0.5") if kind == "reward_text" else None)
+    message = messages[kind]
+    with pytest.raises(StepFailed, match=message):
+        asyncio.run(monitor.step(0, 0))
+
+
+def test_april_steps_of_episodes_resume_them_at_their_turn_and_lose_nothing(tool_log):
+    """The real monitor, source and store over two workers running the agent task's episodes: over several
+    APRIL steps, episodes are interrupted mid-trajectory and continued at later steps (counted), the batch
+    carries environment tokens (counted), every returned episode is exactly right, no sample is returned
+    twice, and each (sample, turn) called the tool at most once."""
+    from april_ray.rollout.local import resolve
+
+    source, store, monitor, engines = agent_monitor()
 
     async def run():
         out = []

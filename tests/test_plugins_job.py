@@ -28,11 +28,12 @@ def score(prompt, response, answer, metadata):
 '''
 
 
-def run_with_plugin(tmp_path, model_dir, user_env, module: str, source: str, *overrides: str):
-    """`jobs.train` for 3 steps with `module` (its `source`) and a dataset in a directory outside the repository,
-    on its PYTHONPATH; returns (that directory, the job's output directory)."""
+def run_with_plugin(tmp_path, model_dir, user_env, module: str, source: str, *overrides: str, steps: int = 3,
+                    expect_rc: int = 0):
+    """`jobs.train` for `steps` steps with `module` (its `source`) and a dataset in a directory outside the
+    repository, on its PYTHONPATH; returns (that directory, the job's output directory, its stderr)."""
     plug = tmp_path / "plug"
-    plug.mkdir()
+    plug.mkdir(parents=True)
     (plug / f"{module}.py").write_text(source)
     rows = countdown.generate(TaskConfig(), 316, seed=11)
     for name, part in (("train", rows[:300]), ("eval", rows[300:])):
@@ -41,18 +42,18 @@ def run_with_plugin(tmp_path, model_dir, user_env, module: str, source: str, *ov
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu.yaml", f"model.path={model_dir}",
            f"model.cache_dir={tmp_path}", f"train.output_dir={out}", f"task.train_path={plug / 'train.jsonl'}",
-           f"task.eval_path={plug / 'eval.jsonl'}", *overrides, "train.num_steps=3",
+           f"task.eval_path={plug / 'eval.jsonl'}", *overrides, f"train.num_steps={steps}",
            "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4",
            "sampling.max_response_len=24", "engine.max_model_len=64", "train.eval_every=10", "train.save_every=10",
            "train.eval_greedy=false", "learner.backend=torch", "--summary", f"{tmp_path}/summary.json"]
     env = {**user_env, "PYTHONPATH": str(plug), "WANDB_MODE": "offline"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return plug, out
+    assert proc.returncode == expect_rc, proc.stderr[-4000:]
+    return plug, out, proc.stderr
 
 
 def test_reward_fn_and_dataset_from_outside_the_repository(tmp_path, random_model_dir, user_env):
-    plug, out = run_with_plugin(tmp_path, random_model_dir, user_env, "mymod", MYMOD, "task.reward_fn=mymod:score")
+    plug, out, _ = run_with_plugin(tmp_path, random_model_dir, user_env, "mymod", MYMOD, "task.reward_fn=mymod:score")
 
     calls = [json.loads(line) for line in (plug / "calls.jsonl").read_text().splitlines()]
     train_calls = [c for c in calls if c["metadata"]["split"] == "train"]
@@ -99,7 +100,7 @@ def test_group_reward_fn_from_outside_the_repository(tmp_path, random_model_dir,
     # two sequences at a time per engine: a group's samples run in turns, so when the fourth group finishes the
     # other four are still queued or generating, and the abort splits them (with the whole batch in one decode
     # step, a random model's 24-token samples can all finish together and nothing is ever resumed)
-    plug, out = run_with_plugin(tmp_path, random_model_dir, user_env, "groupmod", GROUPMOD,
+    plug, out, _ = run_with_plugin(tmp_path, random_model_dir, user_env, "groupmod", GROUPMOD,
                                 "task.reward_fn=groupmod:judge", "task.reward_per_group=true", "engine.max_num_seqs=2")
 
     calls = [json.loads(line) for line in (plug / "calls.jsonl").read_text().splitlines()]
@@ -117,3 +118,59 @@ def test_group_reward_fn_from_outside_the_repository(tmp_path, random_model_dir,
     for m in steps:  # the learner trained on the function's values: every group's average 0.5
         assert m["train/reward_mean"] == pytest.approx(0.5) and m["rollout/reward_mean"] == pytest.approx(0.5)
         assert m.get("rollout/reward_errors", 0) == 0
+
+
+BADMOD = '''
+import os
+
+def plain_episode(ep):
+    return None
+
+def two_args(prompt, response):
+    return 1.0
+
+async def flaky(ep, fail_all=False):
+    """Raises for every sample (fail_all) or for each group's last sample in one group of two."""
+    await ep.generate()
+    last = ep.sample.sample_id.endswith("s3") and int(ep.sample.group_id.rsplit("p", 1)[1]) % 2
+    if fail_all or last:
+        raise RuntimeError(f"environment broke on {ep.sample.sample_id}")
+    return None
+'''
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rollout.episode_fn=nowhere_env:episode", "rollout.episode_fn: cannot import 'nowhere_env'"),
+    ("rollout.episode_fn=badmod:plain_episode", "rollout.episode_fn: plain_episode(ep) in "),
+    ("task.reward_fn=badmod:two_args", "task.reward_fn: two_args(prompt, response) in "),
+])
+def test_a_bad_plugin_stops_the_job_before_ray_starts_in_one_line(tmp_path, random_model_dir, user_env, override,
+                                                                   message):
+    _, out, stderr = run_with_plugin(tmp_path, random_model_dir, user_env, "badmod", BADMOD, override, expect_rc=2)
+    assert stderr.count("\n") == 1 and message in stderr and "Traceback" not in stderr, stderr
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_a_raising_episode_is_not_trained_and_a_step_where_all_raise_stops_the_job(tmp_path, random_model_dir,
+                                                                                     user_env):
+    """One group in two has a sample whose episode raises: those groups are dropped (recorded with each error),
+    the batch is full of the others; with every episode raising, the job stops in its first step, with the
+    error."""
+    _, out, _ = run_with_plugin(tmp_path / "some", random_model_dir, user_env, "badmod", BADMOD,
+                                "rollout.episode_fn=badmod:flaky", steps=2)
+    rows = [json.loads(line) for line in (out / "groups.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "end" not in r]
+    failed = {sid for r in steps for sid in r["episode_errors"]}
+    trained = {sid for r in steps for ids in r["samples"].values() for sid in ids}
+    assert failed and not failed & trained and all(len(r["returned"]) == 4 for r in steps)
+    assert all(e == f"RuntimeError: environment broke on {sid}"
+               for r in steps for sid, e in r["episode_errors"].items())
+    assert {g for r in steps for g, why in r["dropped"].items() if why == "episode_error"} == {s[:-2] for s in failed}
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m.get("rollout/episode_errors", 0) for m in metrics) == len(failed)
+
+    _, out, stderr = run_with_plugin(tmp_path / "all", random_model_dir, user_env, "badmod", BADMOD,
+                                     "rollout.episode_fn=badmod:flaky", "rollout.episode_kwargs={fail_all: true}",
+                                     steps=2, expect_rc=1)
+    assert "step 0: every sample of the" in stderr and "RuntimeError: environment broke on e0p" in stderr
+    assert not (out / "metrics.jsonl").exists() or "train/version" not in (out / "metrics.jsonl").read_text()

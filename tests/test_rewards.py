@@ -33,6 +33,24 @@ def boom(prompt, response, answer, metadata):
 def text(prompt, response, answer, metadata):
     return "high"
 
+def numeric_text(prompt, response, answer, metadata):
+    return "0.5"
+
+def yes(prompt, response, answer, metadata):
+    return True
+
+def two(prompt, response):
+    return 1.0
+
+def plain_episode(ep):
+    return None
+
+async def episode(ep, level=1):
+    return None
+
+def broken_import():
+    pass
+
 async def hang(prompt, response, answer, metadata):
     await asyncio.sleep(60)
 
@@ -62,7 +80,7 @@ def test_reward_by_path_gets_the_metadata_sync_or_async(user_module):
     assert run(runner(f"{user_module}:three")("p", "abc", "a", {"x": 1})) == 2.0  # no metadata parameter
 
 
-@pytest.mark.parametrize("name", ["boom", "text", "hang"])
+@pytest.mark.parametrize("name", ["boom", "text", "hang", "numeric_text", "yes"])
 def test_reward_that_raises_hangs_or_returns_no_number_scores_zero_and_is_counted(user_module, name):
     r = runner(f"{user_module}:{name}", timeout_s=0.5)
     assert run(r("p", "abc", "a", {})) == 0.0
@@ -177,3 +195,36 @@ def test_reward_url_refused_connection_is_an_error_naming_the_url():
     with pytest.raises(RewardServerError, match=f"127.0.0.1:{port}.*refused"):
         UrlReward(f"http://127.0.0.1:{port}/", 1, 0)("p", "r", "a", {})
 
+
+
+def test_a_reward_is_a_finite_real_number_on_every_path():
+    import numpy as np
+
+    from april_ray.task.rewards import reward_value
+
+    assert reward_value(1) == 1.0 and reward_value(np.float32(0.5)) == 0.5 and reward_value(np.int64(2)) == 2.0
+    for bad in ("0.5", True, None, float("nan"), [1.0], b"1"):
+        with pytest.raises(ValueError, match="not a finite real number"):
+            reward_value(bad)
+    group = RewardRunner(lambda p, r, a, m: ["0.5", 1.0], 5.0, log=lambda *_: None)
+    assert run(group.group(["p", "p"], ["x", "y"], ["", ""], [{}, {}])) == [0.0, 0.0] and group.errors == 2
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["task.reward_fn=nowhere_mod:score"], r"^task\.reward_fn: cannot import 'nowhere_mod'"),
+    (["task.reward_fn=user_rewards:missing"], r"^task\.reward_fn: module 'user_rewards' \(.*user_rewards\.py\) has no"),
+    (["task.reward_fn=user_rewards:two"], r"^task\.reward_fn: two\(prompt, response\) in .*user_rewards\.py cannot"),
+    (["rollout.episode_fn=user_rewards:plain_episode"],
+     r"^rollout\.episode_fn: plain_episode\(ep\) in .*user_rewards\.py is a plain function; an episode must be"),
+    (["rollout.episode_fn=user_rewards:episode", "rollout.episode_kwargs={colour: red}"],
+     r"^rollout\.episode_fn: episode\(ep, level=1\) in .*user_rewards\.py cannot be called with the episode "
+     r"handle and the keywords \['colour'\]"),
+])
+def test_plugins_are_checked_at_config_time_naming_the_key_and_the_file(user_module, overrides, message):
+    from april_ray.plugins import check_plugins
+
+    with pytest.raises(ConfigError, match=message) as e:
+        check_plugins(load_config(None, overrides))
+    assert "\n" not in str(e.value)
+    check_plugins(load_config(None, ["rollout.episode_fn=user_rewards:episode", "rollout.episode_kwargs={level: 2}",
+                                     "task.reward_fn=user_rewards:three"]))

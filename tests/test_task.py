@@ -380,12 +380,13 @@ def test_a_cancelled_reward_cancels_the_group_call():
     engine, worker = _held_worker()
     rewards = []
 
-    def pending_reward(*args):
-        rewards.append(asyncio.get_running_loop().create_future())
-        return rewards[-1]
+    class PendingReward:
+        async def score(self, *args):
+            rewards.append(asyncio.get_running_loop().create_future())
+            return await rewards[-1], None
 
     async def reward_cancelled():
-        worker.reward = pending_reward
+        worker.reward = PendingReward()
         call = asyncio.ensure_future(worker.generate_group(_samples("r"), ("run", 4)))
         await _settle()
         engine.futures[0].set_result(GenerateOutput("r@", [7], [-1.0], [0], FinishReason.STOP))

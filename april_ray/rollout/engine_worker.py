@@ -26,22 +26,27 @@ samples for the rewarded ones before the group meets the dynamic filter. A call 
 a closed step, or lost with its engine returns no context: the group stays unrewarded and the call that
 later completes it scores it from scratch (on a lost call the function may run again; its first values
 never reach anyone). Episodes run first and the group function scores their final responses: an episode
-that returns a number (or raises: 0) keeps it, as without the flag, and the group function scores those
-that return None, seeing the whole group either way.
+that returns a number keeps it (one that raises: its group is dropped), as without the flag, and the group
+function scores those that return None, seeing the whole group either way.
+
+An episode that raises is not scored: its sample comes back FINISHED with the error in its episode record
+(`SampleMeta.error`), and the monitor drops its group from training (april_ray/rollout/monitor.py), so a
+bug in an environment never teaches the policy.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
+import traceback
 from collections import Counter, deque
 
 from april_ray.config import EngineConfig, RolloutConfig, SamplingConfig, StalenessConfig, TaskConfig
 from april_ray.engine.probe import saturated_throughput
 from april_ray.plugins import load_object
-from april_ray.rollout.episode import Episode, EpisodeContext, Interrupted, ToolJournal
+from april_ray.rollout.episode import (Episode, EpisodeContext, EvaluationJournal, Interrupted, ToolJournal,
+                                      ToolStats)
 from april_ray.task.evaluate import EvalItem
-from april_ray.task.rewards import RewardRunner
+from april_ray.task.rewards import RewardRunner, reward_value
 from april_ray.types import FinishReason, GenerateRequest, Sample, SampleMeta, SampleState, SamplingParams
 
 
@@ -49,7 +54,8 @@ def sample_meta(sample: Sample, num_new_tokens: int) -> SampleMeta:
     counts = dict(sorted(Counter(sample.model_versions).items()))
     model = sample.num_model_tokens
     return SampleMeta(sample.sample_id, sample.group_id, sample.state, num_new_tokens, model, sample.reward, counts,
-                      len(sample.response_ids) - model, sample.episode is not None)
+                      len(sample.response_ids) - model, sample.episode is not None,
+                      (sample.episode or {}).get("error"))
 
 
 def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig, task: TaskConfig,
@@ -61,7 +67,7 @@ def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, stalene
     from transformers import AutoTokenizer
 
     from april_ray.engine import build_engine
-    from april_ray.task.rewards import build_reward_fn
+    from april_ray.task.rewards import build_reward_fn, reward_key
 
     tok = AutoTokenizer.from_pretrained(model_path)
     sampling = SamplingParams(sampling_cfg.temperature, sampling_cfg.top_p, sampling_cfg.top_k,
@@ -70,11 +76,14 @@ def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, stalene
     worker = EngineWorker(build_engine(engine_cfg, model_path, version, max_versions=kv_max_versions,
                                        weights_root=weights_root),
                           lambda ids: tok.decode(ids, skip_special_tokens=True), build_reward_fn(task), sampling,
-                          tok.encode, task.reward_timeout_s, reward_per_group=task.reward_per_group)
+                          tok.encode, task.reward_timeout_s, reward_per_group=task.reward_per_group,
+                          reward_key=reward_key(task))
     if episodes is not None and episodes.episode_fn:
         worker.use_episodes(load_object(episodes.episode_fn, "rollout.episode_fn"), journal or ToolJournal(),
                             engine_cfg.max_model_len, episodes.tool_timeout_s,
-                            encode=lambda text: tok.encode(text, add_special_tokens=False))
+                            encode=lambda text: tok.encode(text, add_special_tokens=False),
+                            kwargs=dict(episodes.episode_kwargs), max_turns=episodes.max_turns,
+                            max_env_tokens=episodes.max_env_tokens_per_turn)
     return worker
 
 
@@ -90,12 +99,13 @@ async def gather_or_cancel(*aws):
 
 class EngineWorker:
     def __init__(self, engine, decode, reward_fn, sampling: SamplingParams, encode=None,
-                 reward_timeout_s: float = TaskConfig.reward_timeout_s, reward_per_group: bool = False):
+                 reward_timeout_s: float = TaskConfig.reward_timeout_s, reward_per_group: bool = False,
+                 reward_key: str = "reward"):
         self.engine = engine
         self.decode = decode
         self.encode = encode
         """The tokenizer's encode, for callers that build evaluation items in this process."""
-        self.reward = RewardRunner(reward_fn, reward_timeout_s)
+        self.reward = RewardRunner(reward_fn, reward_timeout_s, key=reward_key)
         """Off the event loop with a timeout; a call that fails scores 0 and is counted (`stats`)."""
         self.reward_per_group = reward_per_group
         """`reward_fn` scores whole groups, once each is complete (`reward_group`)."""
@@ -104,34 +114,45 @@ class EngineWorker:
         self.episode_fn = None
         """`rollout.episode_fn`, loaded: each sample is an episode of turns (`use_episodes`)."""
 
-    def use_episodes(self, episode_fn, journal, max_model_len: int, tool_timeout_s: float, encode=None) -> None:
-        """Run `episode_fn` per sample; `encode` turns environment text into ids (no special tokens)."""
+    def use_episodes(self, episode_fn, journal, max_model_len: int, tool_timeout_s: float, encode=None,
+                     kwargs: dict | None = None, max_turns: int = 0, max_env_tokens: int = 0) -> None:
+        """Run `episode_fn(handle, **kwargs)` per sample; `encode` turns environment text into ids (no special
+        tokens)."""
         self.episode_fn = episode_fn
+        self.episode_kwargs = kwargs or {}
         self.episodes = EpisodeContext(self.engine, encode or self.encode, self.decode, self.sampling, max_model_len,
-                                       journal, self.closed_steps, tool_timeout_s)
+                                       journal, self.closed_steps, tool_timeout_s, max_turns, max_env_tokens)
 
     async def run_episode(self, sample: Sample, step, tag: str, ctx: EpisodeContext | None = None
                           ) -> tuple[SampleMeta, Sample]:
         """The sample's episode, from where it stands to its end (rewarded) or to the step's abort (PARTIAL).
-        An episode that raises is finished with reward 0, counted with the reward errors, as a reward that
-        raises is."""
+        An episode that raises is finished unscored, its error (the traceback) in its episode record; one
+        that returns something other than None or a real number scores 0, counted with the reward errors
+        (as a reward function's would)."""
         ep = Episode(ctx or self.episodes, sample.resend(), step, tag)
         try:
-            reward = await self.episode_fn(ep)
+            reward = await self.episode_fn(ep, **self.episode_kwargs)
         except Interrupted:
             partial = dataclasses.replace(ep.sample, state=SampleState.PARTIAL, finish_reason=FinishReason.ABORT)
             return sample_meta(partial, ep.num_new_tokens), partial
-        except Exception as e:
-            reward = self.reward.failed(sample.prompt, f"episode raised {e!r}")
+        except Exception:
             ep.state = ep.sample.episode["state"]  # as last recorded: what it holds now may be what failed
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
-                                   or not math.isfinite(reward)):
-            reward = self.reward.failed(sample.prompt, f"episode returned {reward!r:.60}, not a number")
-        done = ep.finished(None if reward is None else float(reward))
+            failed = ep.finished(0.0)
+            failed = dataclasses.replace(failed, episode=failed.episode | {"error": traceback.format_exc()})
+            return sample_meta(failed, ep.num_new_tokens), failed
+        why = None
+        if reward is not None:
+            try:
+                reward = reward_value(reward)
+            except ValueError as e:
+                why = f"rollout.episode_fn {e}"
+                reward = self.reward.failed(sample.prompt, why)
+        done = ep.finished(reward)
         if done.reward is None and not self.reward_per_group:  # else its group's function scores it
-            reward = await self.reward(done.prompt, self.decode(done.response_ids), done.answer, done.metadata)
+            reward, why = await self.reward.score(done.prompt, self.decode(done.response_ids), done.answer,
+                                                  done.metadata)
             done = dataclasses.replace(done, reward=reward)
-        return sample_meta(done, ep.num_new_tokens), done
+        return dataclasses.replace(sample_meta(done, ep.num_new_tokens), reward_error=why), done
 
     async def generate_group(self, samples: list[Sample], step, context: list[Sample] = ()
                              ) -> tuple[list[SampleMeta], list[Sample]]:
@@ -148,19 +169,22 @@ class EngineWorker:
         done = await gather_or_cancel(*(run(s, step, f"@{step}") for s in samples))
         metas, samples = [m for m, _ in done], [s for _, s in done]
         if self.reward_per_group and all(s.state == SampleState.FINISHED for s in samples):
-            group = await self.reward_group([*samples, *context])
-            metas = [dataclasses.replace(m, reward=s.reward) for m, s in zip(metas, group)]
-            return metas + [sample_meta(s, 0) for s in group[len(samples):]], group
+            unscored = [s.reward is None for s in [*samples, *context]]  # what the group function scores
+            group, why = await self.reward_group([*samples, *context])
+            metas += [sample_meta(s, 0) for s in group[len(samples):]]
+            return [dataclasses.replace(m, reward=s.reward, reward_error=why if new else m.reward_error)
+                    for m, s, new in zip(metas, group, unscored)], group
         return metas, samples
 
-    async def reward_group(self, group: list[Sample]) -> list[Sample]:
-        """A complete group with the group function's rewards, from one call that sees every sample; a
-        sample that has a reward already (its episode returned one) keeps it."""
+    async def reward_group(self, group: list[Sample]) -> tuple[list[Sample], str | None]:
+        """A complete group with the group function's rewards, from one call that sees every sample (and why
+        that call failed, or None); a sample that has a reward already (its episode returned one) keeps it."""
         if all(s.reward is not None for s in group):
-            return group
-        rewards = await self.reward.group([s.prompt for s in group], [self.decode(s.response_ids) for s in group],
-                                          [s.answer for s in group], [s.metadata for s in group])
-        return [s if s.reward is not None else dataclasses.replace(s, reward=r) for s, r in zip(group, rewards)]
+            return group, None
+        rewards, why = await self.reward.score_group([s.prompt for s in group],
+                                                     [self.decode(s.response_ids) for s in group],
+                                                     [s.answer for s in group], [s.metadata for s in group])
+        return [s if s.reward is not None else dataclasses.replace(s, reward=r) for s, r in zip(group, rewards)], why
 
     async def score(self, prompt: str, response: str, answer: str, metadata: dict) -> float:
         """One response's reward outside a group (evaluation): with `task.reward_per_group`, a group of one."""
@@ -176,10 +200,12 @@ class EngineWorker:
         sampling = dataclasses.replace(self.sampling, max_new_tokens=sample.remaining_budget)
         out = await self.engine.generate(GenerateRequest(sample.sample_id + tag, sample.input_ids, sampling))
         sample = sample.extended(out)
+        why = None
         if sample.state == SampleState.FINISHED and not self.reward_per_group:
-            reward = await self.reward(sample.prompt, self.decode(sample.response_ids), sample.answer, sample.metadata)
+            reward, why = await self.reward.score(sample.prompt, self.decode(sample.response_ids), sample.answer,
+                                                  sample.metadata)
             sample = dataclasses.replace(sample, reward=reward)
-        return sample_meta(sample, out.num_tokens), sample
+        return dataclasses.replace(sample_meta(sample, out.num_tokens), reward_error=why), sample
 
     async def throughput_probe(self, prompts: list[list[int]], concurrency: int, seconds: float,
                                warmup_s: float = 1.0) -> tuple[int, float, float]:
@@ -205,11 +231,15 @@ class EngineWorker:
         return [(r, o.num_tokens) for r, o in zip(rewards, outs)]
 
     async def evaluate_episode(self, item: EvalItem, sampling: SamplingParams, rid: str) -> tuple[float, int]:
-        """One evaluation episode: its own journal (nothing of it is kept), never aborted."""
+        """One evaluation episode: its own journal (nothing of it is kept; no call starts once the driver is
+        gone), never aborted."""
         prompt, ids, answer, metadata = item
-        ctx = dataclasses.replace(self.episodes, sampling=sampling, journal=ToolJournal(), closed_steps=())
+        ctx = dataclasses.replace(self.episodes, sampling=sampling, journal=EvaluationJournal(self.episodes.journal),
+                                  closed_steps=())
         sample = Sample(rid, rid, prompt, answer, ids, sampling.max_new_tokens, metadata=metadata)
-        _, done = await self.run_episode(sample, None, "", ctx)
+        meta, done = await self.run_episode(sample, None, "", ctx)
+        if meta.error:  # held-out accuracy counts it as a wrong answer; the error is logged
+            self.reward.failed(prompt, f"evaluation episode raised: {meta.error.strip().splitlines()[-1]}")
         if done.reward is None:
             done = dataclasses.replace(done, reward=await self.score(prompt, self.decode(done.response_ids),
                                                                       answer, metadata))
@@ -223,7 +253,15 @@ class EngineWorker:
     def update_weights(self, state_dict, version: int) -> None:
         self.engine.update_weights(state_dict, version)
 
+    def tool_stats(self, drain: bool = True):
+        """The episodes' tool calls since the last drain (`ToolStats`), None without episodes."""
+        if self.episode_fn is None:
+            return None
+        return self.episodes.tool_stats.drain() if drain else dataclasses.replace(self.episodes.tool_stats)
+
     def stats(self, drain: bool = True):
         """The engine's statistics, with the reward errors since the last drain."""
         errors = self.reward.drain_errors() if drain else self.reward.errors
-        return dataclasses.replace(self.engine.stats(drain), reward_errors=errors)
+        tools = self.tool_stats(drain) or ToolStats()
+        return dataclasses.replace(self.engine.stats(drain), reward_errors=errors, tool_calls=tools.calls,
+                                   tool_errors=tools.errors, tool_s=tools.seconds, tool_replays=tools.replays)

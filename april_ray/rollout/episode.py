@@ -5,28 +5,39 @@
             text = await ep.generate(stop=("?",))          # a model turn (tokens trained)
             if not text.endswith("?"):
                 return None                                 # None: the task's reward scores the response
-            value = await ep.call_tool("lookup", lookup, text)   # recorded: never run twice
+            value = await ep.call_tool("lookup", lookup, text)   # journaled for this trajectory
             ep.append_env(f"={value}")                      # environment tokens (context, not trained)
 
-It is loaded by dotted path (`rollout.episode_fn`). An APRIL abort lands only inside `generate`: the
-episode is unwound there (`Interrupted`), and the sample goes to the store with its trajectory (ids,
-loss mask, logprobs, versions) and `ep.state`, as JSON. When the sample is resumed, at a later step or
-after a restart from a checkpoint, the function is called again with the handle as it was, and its first
-`generate` continues the interrupted turn with the remaining budget. So an episode keeps what it needs
-across turns in `ep.state` (JSON values), and the code before its first `generate` must be safe to run
-again. Tool calls go through `call_tool`: each result is recorded by (sample, turn, call) in the job's
-`ToolJournal` the moment it returns, so no call that returned ever runs again, whatever dies later (an
-engine mid-call, the driver); a call still running when the step ends finishes first (bounded by
-`rollout.tool_timeout_s`).
+It is loaded by dotted path (`rollout.episode_fn`; `rollout.episode_kwargs` are passed after the handle).
+An APRIL abort lands only inside `generate`: the episode is unwound there (`Interrupted`), and the sample
+goes to the store with its trajectory (ids, loss mask, logprobs, versions) and `ep.state`, as JSON. When
+the sample is resumed, at a later step or after a restart from a checkpoint, the function is called again
+with the handle as it was, and its first `generate` continues the interrupted turn with the remaining
+budget. So an episode keeps what it needs across turns in `ep.state` (JSON values), and the code before its
+first `generate` must be safe to run again.
+
+Tool calls go through `call_tool`. A call's key is its trajectory's: (sample, turn, call, a hash of every
+token id before the call), so a result is handed only to the trajectory that asked for it; one that
+restarted (staleness.policy=restart), replayed other tokens after an engine crash, or redid a step after a
+resume asks under another key, and the tool runs for it. Each result is recorded in the job's `ToolJournal`
+the moment it returns and before the episode sees it, so no call that returned runs again for its
+trajectory, whatever dies later; a call still running when the step ends finishes first (bounded by
+`rollout.tool_timeout_s`). A tool that takes an `idempotency_key` keyword gets that key: the same on every
+replay of the trajectory, so a tool with side effects can recognise a call it has already carried out (one
+cut off by a crash before its result was journaled).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
+import time
+from array import array
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from april_ray.plugins import in_thread, is_async, takes_keyword
 from april_ray.types import FinishReason, GenerateRequest, Sample, SampleState, SamplingParams
 
 
@@ -35,25 +46,43 @@ class Interrupted(BaseException):
     `except Exception` must not swallow it)."""
 
 
-class ToolJournal:
-    """Tool results by (sample id, turn, call): the record that makes a returned call final. With a `path`,
-    every entry is also appended to that JSONL file (flushed before `put` returns) and read back when the
-    journal starts again: the job's journal is an actor (actors/journal.py) that Ray restarts, and a resumed
-    job reopens its file."""
+class ToolCallsStopped(RuntimeError):
+    """The job is ending (its driver is gone): no new tool call starts."""
 
-    def __init__(self, path: str | Path | None = None):
+
+def tool_key(sample: Sample, turn: int, index: int, name: str) -> str:
+    """A tool call's key, bound to its trajectory: `sample/turn/call/hash of the ids before it/name`."""
+    digest = hashlib.sha256(array("q", sample.input_ids).tobytes()).hexdigest()[:16]
+    return f"{sample.sample_id}/{turn}/{index}/{digest}/{name}"
+
+
+class ToolJournal:
+    """Tool results by key (`tool_key`): the record that makes a returned call final. With a `path`, every
+    entry is also appended to that JSONL file (written before `put` returns) and read back when the journal
+    starts again: the job's journal is an actor (actors/journal.py) that Ray restarts, and a resumed job
+    reopens its file. Entries no trajectory asks for again stay in the file, for inspection; nothing hands
+    them to another trajectory. `calls_open`: whether a new call may start (the job's driver still lives)."""
+
+    def __init__(self, path: str | Path | None = None, calls_open: Callable[[], bool] = lambda: True):
         self.results: dict[str, Any] = {}
         self.path = Path(path) if path else None
+        self.calls_open = calls_open
         if self.path is not None and self.path.is_file():
-            for i, line in enumerate(self.path.read_text().splitlines(), 1):
+            for line in self.path.read_text().splitlines():
                 try:
                     key, value = json.loads(line)
                 except ValueError:  # a line cut by a crash mid-write: its call never returned to anyone
                     continue
                 self.results.setdefault(key, value)
 
-    async def get(self, key: str):
-        return self.results.get(key)
+    async def begin(self, key: str):
+        """The result recorded under `key`, or None: the caller runs the call (`ToolCallsStopped` once the
+        job is ending)."""
+        if key in self.results:
+            return self.results[key]
+        if not self.calls_open():
+            raise ToolCallsStopped(f"tool call {key}: the job's driver is gone, no new call starts")
+        return None
 
     async def put(self, key: str, value) -> None:
         if key in self.results:
@@ -64,6 +93,41 @@ class ToolJournal:
             with open(self.path, "a") as f:
                 f.write(line + "\n")
         self.results[key] = value
+
+
+class EvaluationJournal(ToolJournal):
+    """An evaluation episode's: in memory, so nothing of an evaluation is kept or reused by another; a new
+    call still asks the job's journal first, so none starts once the driver is gone."""
+
+    def __init__(self, job_journal):
+        super().__init__()
+        self.job_journal = job_journal
+
+    async def begin(self, key: str):
+        if key in self.results:
+            return self.results[key]
+        await self.job_journal.begin(key)  # evaluation's sample ids are never training's: None, or it refuses
+        return None
+
+
+@dataclasses.dataclass
+class ToolStats:
+    """Tool calls of one engine's episodes since the last drain (`rollout/tool_*`)."""
+
+    calls: int = 0
+    """Calls that ran the tool."""
+    replays: int = 0
+    """Calls answered from the journal (a replayed trajectory)."""
+    errors: int = 0
+    """Calls that raised or timed out."""
+    seconds: float = 0.0
+    """Wall seconds of the calls that ran."""
+
+    def drain(self) -> "ToolStats":
+        out = dataclasses.replace(self)
+        self.calls = self.replays = self.errors = 0
+        self.seconds = 0.0
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +142,11 @@ class EpisodeContext:
     journal: Any
     closed_steps: Any
     tool_timeout_s: float
+    max_turns: int = 0
+    """Model turns per episode at most (0: no limit)."""
+    max_env_tokens: int = 0
+    """Environment tokens per `append_env` at most (0: no limit)."""
+    tool_stats: ToolStats = dataclasses.field(default_factory=ToolStats)
 
 
 class Episode:
@@ -120,6 +189,9 @@ class Episode:
         text. After an interruption, the first call continues the interrupted turn. A stop string of several
         tokens stops the engine at its last token, and the turn goes on unless the text ends with it."""
         if not self.sample.episode["in_turn"]:
+            if self._ctx.max_turns and self.turn >= self._ctx.max_turns:
+                self.finish_reason = FinishReason.LENGTH
+                return ""
             self._record(turn_start=len(self.sample.response_ids), in_turn=True)
         stop_ids = tuple({self._ctx.encode(s)[-1] for s in stop if s})
         while True:
@@ -153,20 +225,35 @@ class Episode:
     def append_env(self, text_or_ids: str | list[int]) -> None:
         """Environment tokens (a tool's answer, a user turn): in the context, masked out of the loss."""
         ids = self._ctx.encode(text_or_ids) if isinstance(text_or_ids, str) else list(text_or_ids)
+        if self._ctx.max_env_tokens:
+            ids = ids[:self._ctx.max_env_tokens]
         self.sample = self.sample.with_environment(ids)
 
-    async def call_tool(self, name: str, fn: Callable[..., Any | Awaitable[Any]], *args) -> Any:
-        """`fn(*args)` (sync or async), once per (sample, turn, call): a result recorded earlier is returned
-        without running it. A result must be JSON."""
+    async def call_tool(self, name: str, fn: Callable[..., Any | Awaitable[Any]], *args, **kwargs) -> Any:
+        """`fn(*args, **kwargs)` once per trajectory and call (`tool_key`): a result recorded earlier for this
+        trajectory is returned without running it. An `async def` runs on the loop; a plain function in a
+        thread of its own, so the engine's loop never waits on it. Either raises TimeoutError past
+        `rollout.tool_timeout_s`. A tool with an `idempotency_key` keyword gets the call's key. A result must
+        be JSON; it is journaled before it is returned."""
         index = self._calls.get(self.turn, 0)
         self._calls[self.turn] = index + 1
-        key = f"{self.sample.sample_id}/{self.turn}/{index}/{name}"
-        recorded = await self._ctx.journal.get(key)
+        key = tool_key(self.sample, self.turn, index, name)
+        stats = self._ctx.tool_stats
+        recorded = await self._ctx.journal.begin(key)
         if recorded is not None:
+            stats.replays += 1
             return recorded["value"]
-        value = fn(*args)
-        if asyncio.iscoroutine(value):
-            value = await asyncio.wait_for(value, self._ctx.tool_timeout_s)
+        if takes_keyword(fn, "idempotency_key"):
+            kwargs["idempotency_key"] = key
+        t0 = time.perf_counter()
+        try:
+            value = await run_tool(fn, args, kwargs, self._ctx.tool_timeout_s, name)
+        except Exception:
+            stats.errors += 1
+            raise
+        finally:
+            stats.calls += 1
+            stats.seconds += time.perf_counter() - t0
         await self._ctx.journal.put(key, {"value": value})
         return value
 
@@ -190,3 +277,16 @@ class Episode:
         except (TypeError, ValueError) as e:
             raise TypeError(f"episode state of {self.sample.sample_id}: not JSON values ({e})") from None
         self.sample = dataclasses.replace(self.sample, episode=self.sample.episode | changes | {"state": state})
+
+
+async def run_tool(fn, args: tuple, kwargs: dict, timeout_s: float, name: str):
+    """`fn`'s value: an async one awaited on the loop, a plain one in a thread, within `timeout_s`."""
+    try:
+        if is_async(fn):
+            return await asyncio.wait_for(fn(*args, **kwargs), timeout_s)
+        value = await asyncio.wait_for(in_thread(fn, *args, **kwargs), timeout_s)
+        if asyncio.iscoroutine(value):  # a plain function that returned a coroutine
+            value = await asyncio.wait_for(value, timeout_s)
+        return value
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"tool {name!r}: no result within rollout.tool_timeout_s={timeout_s:g}s") from None

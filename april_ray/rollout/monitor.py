@@ -161,6 +161,7 @@ class CompletionMonitor:
             s.abort_resends = await self._interrupt(s)
             s.abort_latency_s = self.clock() - t_nth
             failure = self._call_error(s)
+        failure = failure or self._nothing_to_train(s)
         if failure is not None:
             await self._fail(s, failure)
         return await self._finish(s, t0)
@@ -173,7 +174,7 @@ class CompletionMonitor:
                 continue
             for fut in await s.completions.wait():
                 self._on_result(s, fut)
-            failure = self._call_error(s) or await self._top_up(s)
+            failure = self._call_error(s) or self._all_failed(s) or await self._top_up(s)
             if failure:
                 return failure
         if len(s.completed) < self.cfg.rollout_batch_size:
@@ -219,6 +220,10 @@ class CompletionMonitor:
         """Fill the in-flight set back up to its target (store first) and dispatch; returns a failure."""
         need = self._in_flight_target(s)
         if need > 0 and len(s.dropped) > self.cfg.max_filtered_groups:
+            raised = sum(r == "episode_error" for r in s.dropped.values())
+            if raised:
+                return (f"step {s.step}: {len(s.dropped)} groups were dropped, {raised} of them because an episode "
+                        f"raised (rollout.max_filtered_groups); the first error: {s.first_failure}")
             return (f"step {s.step}: the dynamic filter dropped {len(s.dropped)} groups (all rewards equal) and "
                     f"only {len(s.completed)} of {self.cfg.rollout_batch_size} were kept; the task is too easy "
                     f"or too hard for the policy (raise rollout.max_filtered_groups or disable rollout.dynamic_filter)")
@@ -321,11 +326,36 @@ class CompletionMonitor:
         s.crash_tokens_lost += len(call.indices) * rate * max(0.0, self.heard_s[call.engine] - call.sent_s)
 
     def _group_done(self, s: StepState, gid: str) -> None:
-        reason = filter_reason(s.flights[gid].metas) if self.cfg.dynamic_filter else None
+        """A complete group goes to the batch, unless an episode of it raised (`episode_error`: a broken
+        environment must not teach the policy) or the dynamic filter drops it."""
+        metas = s.flights[gid].metas
+        errors = {m.sample_id: m.error for m in metas if m.error}
+        failures = [m.error or m.reward_error for m in metas if m.error or m.reward_error]
+        s.num_groups_done += 1
+        s.num_groups_failed += len(failures) == len(metas)
+        s.first_failure = s.first_failure or next(iter(failures), None)
+        s.episode_errors |= errors
+        reason = "episode_error" if errors else filter_reason(metas) if self.cfg.dynamic_filter else None
         if reason is not None:
             s.dropped[gid] = reason
         else:
             s.completed.append(gid)
+
+    def _all_failed(self, s: StepState) -> str | None:
+        """Every sample of the step's first N complete groups failed (its episode raised, or its reward call
+        failed): the environment or the reward is broken, and there is nothing to train."""
+        if s.num_groups_failed < self.cfg.rollout_batch_size or s.num_groups_failed < s.num_groups_done:
+            return None
+        return (f"step {s.step}: every sample of the {s.num_groups_done} groups that finished failed; nothing to "
+                f"train. The first error: {s.first_failure}")
+
+    def _nothing_to_train(self, s: StepState) -> str | None:
+        """A batch without one model token (an episode that never calls `ep.generate`)."""
+        batch = s.completed[:self.cfg.rollout_batch_size]
+        if not batch or any(m.response_len for g in batch for m in s.flights[g].metas):
+            return None
+        episodes = " (rollout.episode_fn: does the episode call ep.generate?)" if self.cfg.episode_fn else ""
+        return f"step {s.step}: no model token was generated in the batch's {len(batch)} groups{episodes}"
 
     async def _interrupt(self, s: StepState) -> int:
         """Abort every engine and wait until every outstanding call has resolved; returns re-sends."""
@@ -364,8 +394,9 @@ class CompletionMonitor:
         if s.sample_seconds:
             self.token_rate = s.generated_tokens / s.sample_seconds
         self._forget((*batch, *s.dropped, *discarded), s)
+        errors = {sid: e.strip().splitlines()[-1] for sid, e in s.episode_errors.items()}
         return StepResult(s.step, [list(s.flights[g].handles) for g in batch], metas, metrics, staleness, batch,
-                          dict(s.dropped), [list(s.flights[g].handles) for g in s.dropped], discarded)
+                          dict(s.dropped), [list(s.flights[g].handles) for g in s.dropped], discarded, errors)
 
     @staticmethod
     def _metrics(s: StepState, metas, staleness: dict[int, int], wall: float, store_s: float) -> dict[str, float]:
@@ -389,7 +420,9 @@ class CompletionMonitor:
             "rollout/groups_resumed": s.num_resumed,
             "rollout/episodes_resumed": s.num_episodes_resumed,
             "rollout/env_tokens": sum(m.num_env_tokens for ms in metas for m in ms),
-            "rollout/groups_filtered": len(s.dropped),
+            "rollout/groups_filtered": sum(r != "episode_error" for r in s.dropped.values()),
+            "rollout/episode_errors": len(s.episode_errors),
+            "rollout/groups_episode_error": sum(r == "episode_error" for r in s.dropped.values()),
             "rollout/engine_crashes": s.engine_crashes,
             "rollout/crash_tokens_lost": round(s.crash_tokens_lost),
             "rollout/reward_mean": sum(m.reward for ms in metas for m in ms) / num_samples,

@@ -145,6 +145,14 @@ class StepState:
     completed: list[str] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
     call_errors: list[str] = field(default_factory=list)
+    episode_errors: dict[str, str] = field(default_factory=dict)
+    """Sample id -> traceback, of the episodes that raised in the groups dropped as `episode_error`."""
+    num_groups_done: int = 0
+    num_groups_failed: int = 0
+    """Groups complete this step, and those of them in which every sample failed: its episode raised, or
+    its reward call failed."""
+    first_failure: str | None = None
+    """The first of those errors (an episode's traceback, or a reward's error naming its key)."""
     generated_tokens: int = 0
     num_fresh: int = 0
     num_resumed: int = 0

@@ -12,8 +12,8 @@ must learn beyond that task is the protocol: when to call, and when to stop.
 
 A key's value is a hash of the key, so only the tool knows it. Values are long-tailed and a prompt has one
 to three keys, so episodes have long-tailed lengths and numbers of turns. The reward is 1 when the whole
-response is exactly right. Every tool call is appended, with its sample and turn, to the file named by
-`$APRIL_RAY_TOOL_LOG` when set, so a test can prove that no call ran twice.
+response is exactly right. Every tool call is appended, with its sample, turn and idempotency key, to the
+file named by `$APRIL_RAY_TOOL_LOG` when set, so a test can prove that no journaled call ran again.
 """
 from __future__ import annotations
 
@@ -88,12 +88,12 @@ def generate(cfg: TaskConfig, num: int, seed: int) -> list[dict]:
     return rows
 
 
-def lookup(sample_id: str, turn: int, key: str) -> int:
-    """The tool: the key's value. Logs the call, with its sample and turn, when asked to."""
+def lookup(sample_id: str, turn: int, key: str, idempotency_key: str = "") -> int:
+    """The tool: the key's value. Logs the call, with its sample, turn and idempotency key, when asked to."""
     log = os.environ.get(TOOL_LOG)
     if log:
         with open(log, "a") as f:
-            f.write(json.dumps({"sample": sample_id, "turn": turn, "key": key}) + "\n")
+            f.write(json.dumps({"sample": sample_id, "turn": turn, "key": key, "call": idempotency_key}) + "\n")
     return value_of(key)
 
 

@@ -5,7 +5,8 @@ the checker DAPO-style recipes use; `countdown` checks the embedded task exactly
 by dotted path (`task.reward_fn=module:function`) and a served reward model by URL (`task.reward_url`).
 Every reward has one signature, `(prompt, response, answer, metadata) -> float` (an async function too;
 one without `metadata` is called without it), and runs under `RewardRunner`: a call that raises, hangs or
-returns no number scores 0 and is counted.
+returns anything but a real number (`reward_value`: not a bool, not a string such as "0.5") scores 0 and
+is counted.
 
 With `task.reward_per_group`, `task.reward_fn` is a group function instead, `(prompts, responses, answers,
 metadatas) -> list[float]`, called once per complete group (pairwise or relative judges, a reward model
@@ -16,10 +17,9 @@ and each one is counted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import inspect
 import json
 import math
+import numbers
 import threading
 import time
 import urllib.error
@@ -27,7 +27,7 @@ import urllib.request
 from typing import Awaitable, Callable
 
 from april_ray.config import TaskConfig
-from april_ray.plugins import load_object
+from april_ray.plugins import accepts, in_thread, is_async, load_object
 from april_ray.task.countdown import countdown_reward
 
 RewardFn = Callable[[str, str, str, dict], "float | Awaitable[float]"]
@@ -74,6 +74,11 @@ def after_think(fn: RewardFn) -> RewardFn:
         _, sep, tail = response.rpartition(THINK_END)
         return fn(prompt, tail, answer, metadata) if sep else 0.0
     return scored
+
+
+def reward_key(task: TaskConfig) -> str:
+    """The config key that chose the reward, for its errors."""
+    return "task.reward_fn" if task.reward_fn else "task.reward_url" if task.reward_url else f"task.name={task.name}"
 
 
 def build_reward_fn(task: TaskConfig) -> RewardFn | GroupRewardFn:
@@ -128,7 +133,7 @@ class UrlReward:
             raise RewardServerError(f"task.reward_url {self.url}: reply is not JSON: {raw[:200]!r}") from None
         if isinstance(value, dict):
             value = value.get("reward")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise RewardServerError(f"task.reward_url {self.url}: expected a number or {{\"reward\": number}}, "
                                     f"got {raw[:200]!r}")
         return float(value)
@@ -146,9 +151,11 @@ class RewardRunner:
     `hung` counts them.
     """
 
-    def __init__(self, fn: RewardFn, timeout_s: float, log=print, max_logged: int = 5):
+    def __init__(self, fn: RewardFn, timeout_s: float, log=print, max_logged: int = 5, key: str = "reward"):
+        """`key`: where the reward comes from (`task.reward_fn`, ...), to name it in the errors returned."""
         self.fn = fn
-        self.num_args = 4 if _accepts(fn, 4) else 3
+        self.key = key
+        self.num_args = 4 if accepts(fn, *range(4)) else 3
         """A function of (prompt, response, answer) alone is called without the metadata."""
         self.timeout_s = timeout_s
         self.log = log
@@ -160,44 +167,40 @@ class RewardRunner:
 
     async def __call__(self, prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
         """One response's reward, from a per-sample function."""
+        return (await self.score(prompt, response, answer, metadata))[0]
+
+    async def score(self, prompt: str, response: str, answer: str, metadata: dict | None = None
+                    ) -> tuple[float, str | None]:
+        """(reward, why the call failed or None): a failed call scores 0."""
         args = (prompt, response, answer, metadata or {})[:self.num_args]
-        [reward] = await self._score(args, prompt, 1, lambda value: [_number(value)])
-        return reward
+        [reward], why = await self._score(args, prompt, 1, lambda value: [reward_value(value)])
+        return reward, why
 
     async def group(self, prompts: list[str], responses: list[str], answers: list[str],
                     metadatas: list[dict]) -> list[float]:
         """A group's rewards, one per response in the same order, from a group function in one call; a call
         that fails scores every response 0, each one counted."""
+        return (await self.score_group(prompts, responses, answers, metadatas))[0]
+
+    async def score_group(self, prompts: list[str], responses: list[str], answers: list[str],
+                          metadatas: list[dict]) -> tuple[list[float], str | None]:
         args = (prompts, responses, answers, metadatas)[:self.num_args]
         return await self._score(args, prompts[0], len(prompts), lambda value: _numbers(value, len(prompts)))
 
-    async def _score(self, args, prompt: str, n: int, read) -> list[float]:
-        """`read` turns the function's value into `n` rewards, or raises."""
+    async def _score(self, args, prompt: str, n: int, read) -> tuple[list[float], str | None]:
+        """`read` turns the function's value into `n` rewards, or raises; with why it failed (None)."""
         try:
-            return read(await asyncio.wait_for(self._start(args), self.timeout_s))
+            return read(await asyncio.wait_for(self._start(args), self.timeout_s)), None
         except asyncio.TimeoutError:
             self.hung += 1
             why = f"no result within task.reward_timeout_s={self.timeout_s:g}s"
         except Exception as e:  # the function's own error, or a result that is not a number
             why = repr(e)
-        return [self._error(prompt, why, n)] * n
+        return [self._error(prompt, why, n)] * n, f"{self.key}: {why}"
 
     def _start(self, args) -> Awaitable:
         """An async function runs on the event loop (cancelled at the timeout); a plain one in a thread."""
-        if inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None)):
-            return self.fn(*args)
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        threading.Thread(target=self._run, args=(loop, fut, args), daemon=True, name="reward").start()
-        return fut
-
-    def _run(self, loop, fut, args) -> None:
-        try:
-            out = (True, self.fn(*args))
-        except Exception as e:
-            out = (False, e)
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
-            loop.call_soon_threadsafe(_settle, fut, out)
+        return self.fn(*args) if is_async(self.fn) else in_thread(self.fn, *args)
 
     def failed(self, prompt: str, why: str) -> float:
         """Score a call that failed outside the runner (an episode that raised): 0, counted and logged."""
@@ -218,35 +221,17 @@ class RewardRunner:
         return n
 
 
-def _number(value) -> float:
-    reward = float(value)
-    if not math.isfinite(reward):
-        raise ValueError(f"returned {value!r}")
-    return reward
+def reward_value(value) -> float:
+    """A reward as a float: a real number (int, float, a numpy scalar), finite; a bool, a string ("0.5"),
+    None or anything else is a ValueError. Every path a reward comes by (a function, a group function, an
+    episode's return, a served model's reply) reads it so."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"returned {value!r:.60} ({type(value).__name__}), not a finite real number")
+    return float(value)
 
 
 def _numbers(values, n: int) -> list[float]:
     """A group function's value: `n` finite numbers (a list, a tuple, an array)."""
     if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or len(values) != n:
         raise ValueError(f"returned {values!r:.80} for a group of {n}: expected a list of {n} numbers")
-    return [_number(v) for v in values]
-
-
-def _accepts(fn, num_args: int) -> bool:
-    try:
-        inspect.signature(fn).bind(*range(num_args))
-    except TypeError:
-        return False
-    except ValueError:  # no signature to read (some builtins): assume the full one
-        return True
-    return True
-
-
-def _settle(fut: asyncio.Future, out) -> None:
-    if fut.done():  # timed out and cancelled
-        return
-    ok, value = out
-    if ok:
-        fut.set_result(value)
-    else:
-        fut.set_exception(value)
+    return [reward_value(v) for v in values]
