@@ -84,8 +84,9 @@ class Run:
     stdout: str
     stderr: str
     listeners: list[tuple[str, str, int]]
-    """Every listening socket of the job's processes once two steps were trained (learners set up,
-    weights published, a step done), with at least one more step to go."""
+    """Every listening socket of the job's processes, sampled every half second from its first trained step
+    (learners set up, weights published) to its end: a short job's last step, evaluation and shutdown can
+    take less than one look."""
     hostname_address: str | None = None
     """What the job's hostname resolved to, when it ran on a LAN hostname (`on_lan_hostname`)."""
 
@@ -95,15 +96,17 @@ def run_job(cmd: list[str], out: Path, env: dict, timeout_s: float = 900, hostna
     stdout, stderr = out.parent / "job.stdout", out.parent / "job.stderr"
     with open(stdout, "w") as o, open(stderr, "w") as e:
         job = subprocess.Popen(cmd, cwd=ROOT, stdout=o, stderr=e, env=env)
-    found = []
+    found: set = set()
     try:
         deadline = time.time() + timeout_s
-        while job.poll() is None and trained_steps(out / "metrics.jsonl") < 2:
-            assert time.time() < deadline, f"no two training steps within {timeout_s} s"
+        while job.poll() is None:
+            assert time.time() < deadline, f"the job did not end within {timeout_s} s"
+            if trained_steps(out / "metrics.jsonl") >= 1:
+                try:
+                    found |= set(listeners(psutil.Process(job.pid)))
+                except psutil.Error:  # it ended meanwhile
+                    pass
             time.sleep(0.5)
-        if job.poll() is None:
-            found = listeners(psutil.Process(job.pid))
-        job.wait(max(1.0, deadline - time.time()))
     finally:
         if job.poll() is None:
             under = psutil.Process(job.pid).children(recursive=True)
@@ -112,7 +115,7 @@ def run_job(cmd: list[str], out: Path, env: dict, timeout_s: float = 900, hostna
             _, alive = psutil.wait_procs(under, timeout=30)  # the job's watchdog ends its local Ray
             for p in alive:
                 p.kill()
-    return Run(job.returncode, stdout.read_text(), stderr.read_text(), found, hostname_address)
+    return Run(job.returncode, stdout.read_text(), stderr.read_text(), sorted(found), hostname_address)
 
 
 def train_command(config: str, model_dir, tmp_path: Path, *overrides: str) -> list[str]:
