@@ -190,16 +190,16 @@ def _text(body: dict, key: str) -> str:
 
 def refuse_non_finite(named: list[tuple[str, torch.Tensor]]) -> None:
     """A NaN or an infinity in any floating tensor refuses the whole update, naming the tensor (one check
-    per tensor, read back at once)."""
+    per tensor, all read back at once)."""
     floats = [(n, t) for n, t in named if t.is_floating_point() or t.is_complex()]
     if not floats:
         return
-    finite = torch.stack([torch.isfinite(t).all().cpu() for _, t in floats]).tolist()
+    finite = torch.stack([torch.isfinite(t).all() for _, t in floats]).tolist()
     bad = [n for (n, _), ok in zip(floats, finite) if not ok]
     if bad:
-        more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" if len(bad) > 1 else ""
-        raise ValueError(f"weight {bad[0]!r} holds NaN or infinite values{more}: refused, the served weights "
-                         f"are unchanged")
+        more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" if bad[1:] else ""
+        raise ValueError(f"weight {bad[0]!r} holds NaN or infinite values{more}: refused, the served weights are "
+                         f"unchanged")
 
 
 def _inside(path: Path, roots: list[Path]) -> bool:
