@@ -72,9 +72,11 @@ async def flood(srv, n: int) -> dict:
         during = asyncio.ensure_future(keyed_generate(srv))
         await asyncio.gather(*[idle_connection() for _ in range(n - n // 2)])
         result = {"during": await during, "after": await keyed_generate(srv)}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-            async with s.get(srv.url + "/metrics") as r:
-                result["metrics"] = await r.text() if r.status == 200 else ""
+        result["metrics"] = ""
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                async with s.get(srv.url + "/metrics") as r:
+                    result["metrics"] = await r.text() if r.status == 200 else ""
         return {**result, "outcome": outcome}
     finally:
         for s in socks:
