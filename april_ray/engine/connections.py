@@ -163,38 +163,55 @@ class ConnectionGuard:
             self.sweep(time.monotonic())
 
 
+HEAD_END = b"\r\n\r\n"
+MAX_HEAD = 64 << 10
+"""Bytes of a request head held back at most (aiohttp refuses far smaller heads: 8 KiB a line)."""
+
+
 class _Guarded(asyncio.Protocol):
-    """aiohttp's protocol for one connection, registered with the guard first (and never started if the
-    guard refuses the connection)."""
+    """aiohttp's protocol for one connection, registered with the guard first and started only once the
+    first request's head has arrived whole, as FreeBSD's `accf_http` accept filter holds a connection
+    back: a client that sends half a request line costs a buffer, not a handler and its task."""
 
     def __init__(self, inner: asyncio.Protocol, guard: ConnectionGuard):
         self.inner: asyncio.Protocol | None = inner
         self.guard = guard
         self.transport: asyncio.BaseTransport | None = None
+        self.head: bytearray | None = bytearray()
+        """What came before the first request's head was whole (None once aiohttp has the connection)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
-        if self.guard.opened(transport):
-            self.inner.connection_made(transport)
-        else:
+        if not self.guard.opened(transport):
             self.inner = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.guard.closed(self.transport)
-        if self.inner is not None:
+        if self.inner is not None and self.head is None:
             self.inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self.inner is not None:
+        if self.inner is None:
+            return
+        if self.head is None:
             self.inner.data_received(data)
+            return
+        start = max(0, len(self.head) - 3)
+        self.head += data
+        if self.head.find(HEAD_END, start) >= 0 or len(self.head) > MAX_HEAD:
+            head, self.head = bytes(self.head), None
+            self.inner.connection_made(self.transport)
+            self.inner.data_received(head)
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received() if self.inner is not None else None
+        if self.inner is None or self.head is not None:
+            return None  # (the transport closes)
+        return self.inner.eof_received()
 
     def pause_writing(self) -> None:
-        if self.inner is not None:
+        if self.inner is not None and self.head is None:
             self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        if self.inner is not None:
+        if self.inner is not None and self.head is None:
             self.inner.resume_writing()
