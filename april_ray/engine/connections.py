@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import resource
+import socket
 import time
 from collections import Counter
 
@@ -29,6 +31,21 @@ REASONS = {"evicted": "pending connections closed to make room for new ones",
            "header_timeout": "pending connections closed with no request for the header timeout",
            "body_timeout": "requests whose body did not arrive within the body timeout",
            "accept_failed": "accepts that failed for lack of file descriptors"}
+
+
+ACCEPTS_PER_TICK = 128
+"""Connections asyncio accepts per loop iteration (its `backlog`): few, so a flood of new connections holds
+up the requests already being served only briefly."""
+
+
+def deepen_accept_queue(server: asyncio.Server, depth: int = 65535) -> None:
+    """Let the kernel queue up to `depth` connections not yet accepted (capped at net.core.somaxconn), as
+    Go's listeners do: under a flood a client's connection waits its turn instead of having its SYN dropped
+    and retried a second or more later. asyncio passes `listen` the same number as its accepts per
+    iteration, hence a second `listen` on the same socket."""
+    for sock in server.sockets:
+        with socket.socket(fileno=os.dup(sock.fileno())) as same:
+            same.listen(depth)
 
 
 def raise_fd_limit() -> int:

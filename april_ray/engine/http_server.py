@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from april_ray.engine.async_engine import AsyncEngine
-from april_ray.engine.connections import REASONS, RESERVED_FDS, ConnectionGuard, raise_fd_limit
+from april_ray.engine.connections import (ACCEPTS_PER_TICK, REASONS, RESERVED_FDS, ConnectionGuard,
+                                          deepen_accept_queue, raise_fd_limit)
 from april_ray.engine.cpu_engine import LLMEngine
 from april_ray.engine.http_weights import Lease, WeightRoutes
 from april_ray.engine.sglang_client import API_KEY_PATHS
@@ -574,7 +575,8 @@ async def serve(args: argparse.Namespace) -> None:
     await runner.setup()
     loop = asyncio.get_running_loop()
     listener = await loop.create_server(server.connections.protocol_factory(runner.server), args.host, args.port,
-                                        backlog=1024, reuse_address=True)
+                                        backlog=ACCEPTS_PER_TICK, reuse_address=True)
+    deepen_accept_queue(listener)
     server.connections.start(loop)
     port = listener.sockets[0].getsockname()[1]
     if args.port_file:
