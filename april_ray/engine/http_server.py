@@ -362,7 +362,7 @@ class Server(WeightRoutes):
 
     @web.middleware
     async def _door(self, request: web.Request, handler):
-        """The key first (a refused client's connection is closed, its body never read), then the body
+        """The key first (a refused client's connection closes after the answer, its body unread), then the body
         whole within the body timeout, then the handler; a request with the key admits its connection."""
         transport = request.transport
         self.connections.request_started(transport)
