@@ -363,14 +363,16 @@ class Server(WeightRoutes):
     @web.middleware
     async def _door(self, request: web.Request, handler):
         """The key first (a refused client's connection closes after the answer, its body unread), then the body
-        whole within the body timeout, then the handler; a request with the key admits its connection."""
+        whole within the body timeout, then the handler; a request with a key (any request but the open ones,
+        on a server without keys) admits its connection."""
         transport = request.transport
         self.connections.request_started(transport)
         try:
-            if not allowed(request.path, request.headers.get("Authorization"), self.api_key, self.admin_api_key):
+            authorization = request.headers.get("Authorization")
+            if not allowed(request.path, authorization, self.api_key, self.admin_api_key):
                 return _closing(web.json_response({"error": "Unauthorized"}, status=401))
-            if not request.path.startswith(OPEN_PREFIXES):
-                self.connections.admit(transport)
+            if not request.path.startswith(OPEN_PREFIXES) or has_key(authorization, self.api_key, self.admin_api_key):
+                self.connections.admit(transport)  # (our client sends its key to /health too)
             if (request.content_length or 0) > self.max_body_bytes:
                 return _closing(_error(413, f"the body ({request.content_length} bytes) is over this server's limit "
                                             f"of {self.max_body_bytes} bytes (--max-body-mb)"))
@@ -431,9 +433,15 @@ def allowed(path: str, authorization: str | None, api_key: str, admin_api_key: s
     key = api_key if path in API_KEY_PATHS else admin_api_key or api_key
     if not key:
         return True
+    return has_key(authorization, key)
+
+
+def has_key(authorization: str | None, *keys: str) -> bool:
+    """Whether the header is `Bearer <one of keys>` (empty keys match nothing)."""
     scheme, _, token = (authorization or "").partition(" ")
     # aiohttp hands bytes that are not UTF-8 over as surrogates: they go back to the bytes that were sent
-    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(errors="surrogateescape"), key.encode())
+    sent = token.encode(errors="surrogateescape")
+    return scheme.lower() == "bearer" and any([secrets.compare_digest(sent, k.encode()) for k in keys if k])
 
 
 def prometheus(metrics: list) -> str:
