@@ -272,6 +272,43 @@ def test_weight_update_changes_outputs_to_the_new_weights(weights_server, model,
     assert torch.distributed.is_initialized() == had_default_group  # the broadcast's group is its own
 
 
+@pytest.mark.parametrize("how", ["broadcast", "tensor", "disk"])
+def test_non_finite_weights_are_refused_by_name_and_the_served_ones_stay(weights_server, model, how, tmp_path,
+                                                                         caplog):
+    """New weights with a NaN in one tensor and an infinity in another, by each path: refused, naming the
+    tensor, and the server's greedy outputs are those of the weights it had. One bucket: the refusal is of
+    the bucket that holds the bad tensor."""
+    model, tok = model
+    prompts = [tok.encode(p) for p in PROMPTS[:3]]
+    sd = perturbed(model, 31)
+    sd["model.norm.weight"][3] = float("nan")
+    sd["model.layers.1.mlp.up_proj.weight"][0, 0] = float("inf")
+    named = list(sd.items())
+
+    async def main(c):
+        before = await greedy_outputs(c, prompts, 12)
+        if how == "broadcast":
+            sender = weight_sync.BroadcastSender("127.0.0.1", "gloo", bucket_mb=1024, timeout_s=60)
+            assert await sender.send([c], named, 41, flush_cache=True) == []  # refused at both attempts
+            await sender.close()
+        else:
+            with pytest.raises(BadRequestError, match="NaN or infinite") as refused:
+                if how == "tensor":
+                    await weight_sync.send_tensors(c, named, 41, flush_cache=True, bucket_mb=1024)
+                else:
+                    weight_sync.save_for_disk_update(named, str(tmp_path / "w"), str(model.name_or_path))
+                    await c.update_weights_from_disk(str(tmp_path / "w"), flush_cache=True, weight_version=41)
+            assert "model.norm.weight" in str(refused.value) and "up_proj.weight" in str(refused.value)
+        return before, await greedy_outputs(c, prompts, 12), await c.model_info()
+
+    with caplog.at_level("WARNING"):
+        before, after, info = run(main, weights_server)
+    if how == "broadcast":
+        assert "model.norm.weight" in caplog.text and "NaN or infinite" in caplog.text, caplog.text
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+    assert info["weight_version"] != "41"
+
+
 def test_memory_release_and_resume_cycle(weights_server, model):
     """Colocated: the engine gives its KV cache and weights back while the learner trains, refuses to
     generate meanwhile, and serves the weights handed to it after resuming."""

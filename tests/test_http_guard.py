@@ -4,6 +4,8 @@ launcher), real HTTP requests, real bad bodies."""
 import asyncio
 import json
 import shutil
+import subprocess
+import sys
 
 import aiohttp
 import pytest
@@ -20,7 +22,8 @@ def server(random_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("weights-root")
     opts = ServerOptions(str(random_model_dir), max_num_seqs=8, max_model_len=MAX_LEN, startup_timeout_s=120,
                          log_dir=str(tmp_path_factory.mktemp("logs")), weights_root=str(root),
-                         extra_args=["--lease-s", "1"], api_key="-api-key", admin_api_key="-admin-key")  # "-": not a flag
+                         extra_args=["--lease-s", "1", "--header-timeout-s", "2", "--body-timeout-s", "3"],
+                         api_key="-api-key", admin_api_key="-admin-key")  # "-": not a flag
     srv = CPUServerLauncher().start(opts)
     srv.root = root
     yield srv
@@ -138,3 +141,105 @@ def test_a_request_whose_sampling_fails_fails_alone_in_the_engine(random_model_d
     results = asyncio.run(main())
     assert isinstance(results[0], ValueError) and "bad" in str(results[0]) and "temperature" in str(results[0])
     assert all(len(r.token_ids) == 6 for r in results[1:])
+
+
+async def raw(srv, data: bytes, wait_s: float = 60.0) -> bytes:
+    """What the server sends back on one connection to `data` (a request, or part of one), until it closes
+    the connection; b"TIMEOUT" if it keeps it open for `wait_s` (far past any timeout of the server)."""
+    host, port = srv.url.rsplit("/", 1)[-1].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    try:
+        return await asyncio.wait_for(reader.read(), wait_s)
+    except ConnectionResetError:
+        return b""
+    except asyncio.TimeoutError:
+        return b"TIMEOUT"
+    finally:
+        writer.close()
+
+
+async def still_open_after(srv, auth: bytes, idle_s: float) -> bool:
+    """Whether a connection that made one GET /health (sending `auth` headers) serves another after `idle_s`."""
+    host, port = srv.url.rsplit("/", 1)[-1].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n"
+    try:
+        writer.write(health)
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")  # (no body)
+        await asyncio.sleep(idle_s)
+        writer.write(health)
+        return (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)).startswith(b"HTTP/1.1 200")
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return False
+    finally:
+        writer.close()
+
+
+def test_slow_and_odd_clients_get_an_answer_or_are_dropped(server):
+    """A half-sent request line is dropped after the header timeout (2 s here), and so is a connection idle
+    after a request without a key (one with a key is kept, as aiohttp's client pool expects); a body that stops coming
+    gets a 408 after the body timeout (3 s), a body declared over the limit a 413 at once, an Authorization
+    header that is not UTF-8 a 401; /metrics is open and is Prometheus text of the engine's counters."""
+    key = f"Bearer {server.api_key}".encode()
+
+    def post_head(length: int, auth: bytes = key) -> bytes:
+        return (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Authorization: " + auth + b"\r\nContent-Length: " + str(length).encode() + b"\r\n\r\n")
+
+    async def main():
+        gen = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 3}}
+        assert (await post(server, "/generate", gen, "api"))[0] == 200
+        answers = await asyncio.gather(
+            raw(server, b"GET /heal"),
+            raw(server, post_head(1_000_000) + b'{"input_ids": [3, '),
+            raw(server, post_head(50 << 20)),
+            raw(server, post_head(2, b"Bearer \xff\xfe\x80" + key[7:]) + b"{}"),
+            still_open_after(server, b"", 6), still_open_after(server, b"Authorization: " + key + b"\r\n", 6))
+        return answers, await post(server, "/metrics", method="GET")
+    (half_line, slow_body, huge, bad_bytes, unkeyed_kept, keyed_kept), (status, metrics) = asyncio.run(main())
+    assert keyed_kept and not unkeyed_kept
+    assert half_line == b"", half_line[:200]
+    assert slow_body.startswith(b"HTTP/1.1 408") and b"--body-timeout-s" in slow_body, slow_body[:300]
+    assert huge.startswith(b"HTTP/1.1 413") and b"--max-body-mb" in huge, huge[:300]
+    assert bad_bytes.startswith(b"HTTP/1.1 401") and b"Unauthorized" in bad_bytes, bad_bytes[:300]
+    assert status == 200 and "# TYPE april_engine_generated_tokens_total counter" in metrics
+    samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if not line.startswith("#"))
+    assert float(samples["april_engine_generated_tokens_total"]) >= 3
+    assert float(samples['april_engine_connections_closed_total{reason="header_timeout"}']) >= 1
+    assert float(samples['april_engine_connections_closed_total{reason="body_timeout"}']) >= 1
+
+
+def test_a_weights_file_linked_from_outside_the_roots_is_refused(server, random_model_dir, tmp_path):
+    """Inside the weights root, a directory whose model.safetensors is a link to a file elsewhere: refused,
+    naming the file; the same file copied in loads."""
+    outside = tmp_path / "outside"
+    shutil.copytree(random_model_dir, outside)
+    inside = server.root / "linked"
+    inside.mkdir()
+    (inside / "model.safetensors").symlink_to(outside / "model.safetensors")
+
+    async def main():
+        linked = await post(server, "/update_weights_from_disk", {"model_path": str(inside)}, "admin")
+        (inside / "model.safetensors").unlink()
+        shutil.copy(outside / "model.safetensors", inside / "model.safetensors")
+        copied = await post(server, "/update_weights_from_disk", {"model_path": str(inside)}, "admin")
+        return linked, copied
+    (status, text), copied = asyncio.run(main())
+    assert status == 400 and "model.safetensors" in text and "outside" in text, text
+    assert copied[0] == 200, copied
+
+
+def test_a_keyless_server_refuses_a_public_address_unless_told(random_model_dir):
+    """One line on stderr, before the model is loaded; loopback, a key, or the flag let it start."""
+    from april_ray.engine.http_server import refuse_keyless_public
+
+    proc = subprocess.run([sys.executable, "-m", "april_ray.engine.http_server", "--model-path", str(random_model_dir),
+                           "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "--allow-keyless-public" in proc.stderr and "--api-key" in proc.stderr and "0.0.0.0" in proc.stderr
+    for host, key, allow in (("127.0.0.1", "", False), ("localhost", "", False), ("::1", "", False),
+                             ("0.0.0.0", "k", False), ("0.0.0.0", "", True)):
+        refuse_keyless_public(host, key, allow)
+    with pytest.raises(SystemExit, match="not a loopback"):
+        refuse_keyless_public("::", "", False)

@@ -11,9 +11,12 @@ started with `--skip-tokenizer-init`), `/abort_request`, `/pause_generation` (ab
 `meta_info.weight_versions` spans (SGLang reports the same field); `kv_cache` release also drops the
 parked caches of aborted requests (our prefix cache).
 
-Guarded as SGLang guards a server started with `--api-key` and `--admin-api-key` (`allowed`); each field
-of a body is checked for type and range before anything runs, so a bad request is a 400 naming the field
-and fails alone; bodies are capped at the largest legal request (`body_limit`, or `--max-body-mb`).
+Guarded as SGLang guards a server started with `--api-key` and `--admin-api-key` (`allowed`), and one
+without a key refuses to listen beyond loopback unless told `--allow-keyless-public`; each field of a
+body is checked for type and range before anything runs, so a bad request is a 400 naming the field and
+fails alone; bodies are capped at the largest legal request (`body_limit`, or `--max-body-mb`) and must
+arrive within `--body-timeout-s`; connections are capped, and those without a key give way to keyed
+clients and time out (`connections.py`). `/metrics` serves the engine's counters as Prometheus text.
 
 A `/generate` call is a `Call`: it waits at the gate while generation is paused or weights are being
 replaced, then runs in the engine; a retracted call re-enters after `/continue_generation` with the
@@ -25,14 +28,18 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import math
 import secrets
+import socket
 import uuid
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from april_ray.engine.async_engine import AsyncEngine
+from april_ray.engine.connections import (ACCEPTS_PER_TICK, REASONS, RESERVED_FDS, ConnectionGuard,
+                                          deepen_accept_queue, raise_fd_limit)
 from april_ray.engine.cpu_engine import LLMEngine
 from april_ray.engine.http_weights import Lease, WeightRoutes
 from april_ray.engine.sglang_client import API_KEY_PATHS
@@ -137,7 +144,8 @@ class Call:
 class Server(WeightRoutes):
     def __init__(self, engine: AsyncEngine, model_path: str, eos_ids: tuple[int, ...], weight_version: str = "0",
                  api_key: str = "", admin_api_key: str = "", weights_root: str = "", lease_s: float = 300.0,
-                 max_body_bytes: int = 4 << 20):
+                 max_body_bytes: int = 4 << 20, body_timeout_s: float = 60.0, max_connections: int = 4096,
+                 header_timeout_s: float = 10.0):
         self.engine, self.core = engine, engine.engine
         self.model_path = model_path
         self.eos_ids = eos_ids
@@ -148,6 +156,8 @@ class Server(WeightRoutes):
         self.version_names = {self.core.version: weight_version}
         self.weight_version = weight_version
         self.api_key, self.admin_api_key, self.max_body_bytes = api_key, admin_api_key, max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.connections = ConnectionGuard(max_connections, header_timeout_s)
         self.pause_lease = Lease(lease_s, self.resume, "pause_generation")
         WeightRoutes.__init__(self, weights_root, lease_s)
         self.lease_paths = {"/pause_generation", *self.weight_routes()}
@@ -338,23 +348,63 @@ class Server(WeightRoutes):
             "released": sorted(self.core.released)})
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth, self._keep_leases, _errors], client_max_size=self.max_body_bytes)
+        app = web.Application(middlewares=[self._door, self._keep_leases, _errors], client_max_size=self.max_body_bytes)
         post = {"/generate": self.generate, "/abort_request": self.abort_request,
                 "/pause_generation": self.pause_generation, "/continue_generation": self.continue_generation,
                 "/release_memory_occupation": self.release_memory, "/resume_memory_occupation": self.resume_memory,
                 "/flush_cache": self.flush_cache, **self.weight_routes()}
         get = {"/health": self.health, "/health_generate": self.health, "/model_info": self.model_info,
                "/get_model_info": self.model_info, "/get_server_info": self.server_info,
-               "/server_info": self.server_info, "/flush_cache": self.flush_cache}
+               "/server_info": self.server_info, "/flush_cache": self.flush_cache, "/metrics": self.metrics}
         app.add_routes([web.post(p, h) for p, h in post.items()] + [web.get(p, h) for p, h in get.items()])
         return app
 
 
     @web.middleware
-    async def _auth(self, request: web.Request, handler):
-        if not allowed(request.path, request.headers.get("Authorization"), self.api_key, self.admin_api_key):
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        return await handler(request)
+    async def _door(self, request: web.Request, handler):
+        """The key first (a refused client's connection closes after the answer, its body unread), then the body
+        whole within the body timeout, then the handler; a request with a key (any request but the open ones,
+        on a server without keys) admits its connection."""
+        transport = request.transport
+        self.connections.request_started(transport)
+        try:
+            authorization = request.headers.get("Authorization")
+            if not allowed(request.path, authorization, self.api_key, self.admin_api_key):
+                return _closing(web.json_response({"error": "Unauthorized"}, status=401))
+            if not request.path.startswith(OPEN_PREFIXES) or has_key(authorization, self.api_key, self.admin_api_key):
+                self.connections.admit(transport)  # (our client sends its key to /health too)
+            if (request.content_length or 0) > self.max_body_bytes:
+                return _closing(_error(413, f"the body ({request.content_length} bytes) is over this server's limit "
+                                            f"of {self.max_body_bytes} bytes (--max-body-mb)"))
+            if request.body_exists:
+                try:
+                    await asyncio.wait_for(request.read(), self.body_timeout_s)
+                except asyncio.TimeoutError:
+                    self.connections.body_timed_out()
+                    return _closing(_error(408, f"the body did not arrive within {self.body_timeout_s:g}s "
+                                                f"(--body-timeout-s)"))
+            return await handler(request)
+        finally:
+            self.connections.request_ended(transport)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        st, guard = self.core.stats(drain=False), self.connections
+        return web.Response(text=prometheus([
+            ("running_requests", "gauge", "Sequences in the engine's running batch.", st.num_running),
+            ("waiting_requests", "gauge", "Sequences waiting for a place in the batch.", st.num_waiting),
+            ("calls", "gauge", "/generate calls open (running, waiting or paused).", len(self.calls)),
+            ("parked_caches", "gauge", "Aborted sequences whose KV cache is parked.", st.num_parked),
+            ("paused", "gauge", "1 while generation is paused or weights are being replaced.",
+             int(bool(self.closed_by))),
+            ("generated_tokens_total", "counter", "Tokens sampled since the server started.", st.num_generated_tokens),
+            ("prefill_tokens_total", "counter", "Prompt tokens prefilled.", st.num_prefill_tokens),
+            ("reused_tokens_total", "counter", "Prefill tokens served from parked caches.", st.num_reused_tokens),
+            ("busy_seconds_total", "counter", "Wall time inside forward passes and sampling.", st.busy_s),
+            ("connections", "gauge", "Open client connections, by whether a request on them had the key.",
+             {'state="admitted"': len(guard.admitted), 'state="pending"': len(guard.pending)}),
+            ("connections_closed_total", "counter", "Connections closed or refused by the guard, and requests "
+             "whose body timed out, by reason.", {f'reason="{r}"': guard.totals[r] for r in sorted(REASONS)}),
+        ]), content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
 
     @web.middleware
     async def _keep_leases(self, request: web.Request, handler):
@@ -383,14 +433,61 @@ def allowed(path: str, authorization: str | None, api_key: str, admin_api_key: s
     key = api_key if path in API_KEY_PATHS else admin_api_key or api_key
     if not key:
         return True
+    return has_key(authorization, key)
+
+
+def has_key(authorization: str | None, *keys: str) -> bool:
+    """Whether the header is `Bearer <one of keys>` (empty keys match nothing)."""
     scheme, _, token = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
+    # aiohttp hands bytes that are not UTF-8 over as surrogates: they go back to the bytes that were sent
+    sent = token.encode(errors="surrogateescape")
+    return scheme.lower() == "bearer" and any([secrets.compare_digest(sent, k.encode()) for k in keys if k])
+
+
+def prometheus(metrics: list) -> str:
+    """Prometheus' text format of (name, type, help, value or {labels: value}), each name `april_engine_`."""
+    lines = []
+    for name, kind, help_, value in metrics:
+        name = f"april_engine_{name}"
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+        samples = value if isinstance(value, dict) else {"": value}
+        lines += [f"{name}{{{labels}}} {v}" if labels else f"{name} {v}" for labels, v in samples.items()]
+    return "\n".join(lines) + "\n"
+
+
+def refuse_keyless_public(host: str, api_key: str, allow: bool) -> None:
+    """A server without an API key serves anyone who reaches it (admin endpoints too, without an admin
+    key): beyond loopback that must be what the operator asked for."""
+    if api_key or allow or is_loopback(host):
+        return
+    raise SystemExit(f"error: --host {host!r} is not a loopback address and this server has no --api-key: anyone "
+                     f"who reaches it could generate, pause it and replace its weights. Pass --api-key and "
+                     f"--admin-api-key, or --allow-keyless-public if that is what you mean")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` binds to is a loopback one (a wildcard or an unknown name is not)."""
+    try:
+        infos = socket.getaddrinfo(host or None, None, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return False
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
 def body_limit(max_model_len: int) -> int:
     """The largest legal request, with room: a /generate of max_model_len token ids (under 16 bytes each in
     JSON), or a weight update's metadata and handles (4 MiB holds thousands of tensors' worth)."""
     return max(4 << 20, 16 * max_model_len + (64 << 10))
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _closing(response: web.Response) -> web.Response:
+    """The connection closes after this answer (a refused client keeps no slot; an unread body is dropped)."""
+    response.force_close()
+    return response
 
 
 def _tags(body: dict) -> list[str]:
@@ -405,7 +502,7 @@ def _tags(body: dict) -> list[str]:
 
 async def _json(request: web.Request) -> dict:
     """The body as a JSON object (every endpoint here takes one)."""
-    if not request.can_read_body:
+    if not request.body_exists:  # (read whole already by the door: `can_read_body` is False by now)
         return {}
     try:
         body = await request.json()
@@ -439,7 +536,9 @@ def build_server(args: argparse.Namespace) -> Server:
     limit = int(args.max_body_mb * (1 << 20)) if args.max_body_mb else body_limit(args.max_model_len)
     return Server(AsyncEngine(core), args.model_path, eos_ids, args.weight_version, api_key=args.api_key,
                   admin_api_key=args.admin_api_key, weights_root=args.weights_root, lease_s=args.lease_s,
-                  max_body_bytes=limit)
+                  max_body_bytes=limit, body_timeout_s=args.body_timeout_s,
+                  max_connections=min(args.max_connections, raise_fd_limit() - RESERVED_FDS),
+                  header_timeout_s=args.header_timeout_s)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -467,22 +566,45 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a pause or a weight-update session ends after this long without an admin call")
     p.add_argument("--max-body-mb", type=float, default=0.0,
                    help="largest request body; 0: sized to the largest legal request (by --max-model-len)")
+    p.add_argument("--body-timeout-s", type=float, default=60.0, help="a request's body must arrive whole within this")
+    p.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="a connection without a keyed request is closed when no request arrives for this long")
+    p.add_argument("--max-connections", type=int, default=4096,
+                   help="open connections at most (also kept below the open-file limit); at the cap a new one "
+                        "replaces the oldest without a keyed request, or is refused")
+    p.add_argument("--allow-keyless-public", action="store_true",
+                   help="start without --api-key on an address other than loopback")
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
     server = build_server(args)
-    runner = web.AppRunner(server.app(), access_log=None)
+    runner = web.AppRunner(server.app(), access_log=None, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
+    listener = await loop.create_server(server.connections.protocol_factory(runner.server), args.host, args.port,
+                                        backlog=ACCEPTS_PER_TICK, reuse_address=True)
+    deepen_accept_queue(listener)
+    server.connections.start(loop)
+    port = listener.sockets[0].getsockname()[1]
     if args.port_file:
         with open(args.port_file, "w") as f:
             f.write(str(port))
-    print(f"april-ray engine server on http://{args.host}:{port} (model {args.model_path}, {args.device})", flush=True)
+    print(f"april-ray engine server on http://{args.host}:{port} (model {args.model_path}, {args.device}; "
+          f"at most {server.connections.max_connections} connections)", flush=True)
     await asyncio.Event().wait()
 
 
+KEEPALIVE_S = 75.0
+"""An idle keep-alive connection closes after this (longer than aiohttp's client pool keeps one, 15 s, so
+a client never reuses a connection the server is closing)."""
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    refuse_keyless_public(args.host, args.api_key, args.allow_keyless_public)
+    asyncio.run(serve(args))
+
+
 if __name__ == "__main__":
-    asyncio.run(serve(parse_args()))
+    main()

@@ -9,21 +9,26 @@
 - `/update_weights_from_tensor` {serialized_named_tensors, load_format, flush_cache, abort_all_requests,
   weight_version}: tensors handed over by handle (shared memory on CPU, CUDA IPC on GPU).
 - `/update_weights_from_disk` {model_path, abort_all_requests, weight_version, flush_cache}: safetensors files,
-  from the model's own directory or under `--weights-root` only.
+  from the model's own directory or under `--weights-root` only, each file confined there after its links
+  are resolved (`read_confined`).
 - `/update_weight_version` {new_version, abort_all_requests}.
 - `/begin_weight_update` {selector}, `/end_weight_update`: a weight-update session. As in SGLang, distributed
   and tensor updates are refused outside one (disk updates are not), and a session is opened only once.
   A session that no admin call renews for the lease (`--lease-s`) ends by itself.
 
 Blocking work (the rendezvous, the broadcast) runs in a thread, so the server keeps answering (aborts,
-health) meanwhile; loading into the model runs on the event loop, between engine steps.
+health) meanwhile; loading into the model runs on the event loop, between engine steps. Whatever the path,
+weights with a NaN or an infinity are refused by name before any of them is copied into the model.
 """
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
+import stat
 from pathlib import Path
 
+import torch
 from aiohttp import web
 
 from april_ray.engine import weight_sync
@@ -150,14 +155,15 @@ class WeightRoutes:
 
     async def from_disk(self, body: dict) -> str:
         path = Path(_text(body, "model_path")).resolve()
-        if not any(path == root or root in path.parents for root in self.disk_roots):
+        if not _inside(path, self.disk_roots):
             raise ValueError(f"model_path {body['model_path']!r} is outside the directories this server loads "
                              f"from: {', '.join(map(str, self.disk_roots))} (--weights-root)")
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ValueError(f"model_path {body['model_path']!r}: no *.safetensors file there")
+        named = [(n, t.to(self.device)) for f in files for n, t in _safetensors(read_confined(f, self.disk_roots), f)]
+        refuse_non_finite(named)  # before the pause: a bad file never holds generation
         async with self.exclusive(bool(body.get("abort_all_requests"))):
-            named = [kv for f in files for kv in _read_safetensors(f, self.device).items()]
             self._load(named, body)
         return f"Succeeded to update model weights from {body['model_path']}."
 
@@ -169,6 +175,7 @@ class WeightRoutes:
         return f"Weight version updated to {body['new_version']}"
 
     def _load(self, named: list, body: dict) -> None:
+        refuse_non_finite(named)
         weight_sync.load_named_tensors(self.core.runner.model, named)
         if body.get("flush_cache", True):
             self.core.flush_cache()
@@ -182,11 +189,49 @@ def _text(body: dict, key: str) -> str:
     return body[key]
 
 
-def _read_safetensors(path: Path, device) -> dict:
-    from safetensors.torch import load_file
+def refuse_non_finite(named: list[tuple[str, torch.Tensor]]) -> None:
+    """A NaN or an infinity in any floating tensor refuses the whole update, naming the tensor (one check
+    per tensor, all read back at once)."""
+    floats = [(n, t) for n, t in named if t.is_floating_point() or t.is_complex()]
+    if not floats:
+        return
+    finite = torch.stack([torch.isfinite(t).all() for _, t in floats]).tolist()
+    bad = [n for (n, _), ok in zip(floats, finite) if not ok]
+    if bad:
+        more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" if bad[1:] else ""
+        raise ValueError(f"weight {bad[0]!r} holds NaN or infinite values{more}: refused, the served weights are "
+                         f"unchanged")
+
+
+def _inside(path: Path, roots: list[Path]) -> bool:
+    return any(path == root or root in path.parents for root in roots)
+
+
+def read_confined(path: Path, roots: list[Path]) -> bytes:
+    """The bytes of a regular file whose real path (links resolved) is under one of `roots`. What was
+    opened is checked again through the descriptor, so a link swapped in after the first check is refused
+    too; a FIFO or a device is refused without blocking on it."""
+    real = path.resolve()
+    if not _inside(real, roots):
+        raise ValueError(f"model_path: {path.name} resolves to {real}, outside the directories this server loads "
+                         f"from (--weights-root)")
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"model_path: {path.name} cannot be opened ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        opened = Path(os.readlink(f"/proc/self/fd/{fd}")) if os.path.exists(f"/proc/self/fd/{fd}") else real
+        if not _inside(opened, roots) or not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"model_path: {path.name} is not a regular file under the directories this server "
+                             f"loads from (--weights-root)")
+        return f.read()
+
+
+def _safetensors(data: bytes, path: Path) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load
 
     try:
-        return load_file(path, device=str(device))
+        return list(load(data).items())
     except Exception as e:  # safetensors' own error type is not importable under a stable name
         raise ValueError(f"model_path: {path.name} is not a readable safetensors file ({e})") from None
 
@@ -195,7 +240,7 @@ def _reply(fn):
     """SGLang's weight replies: {"success", "message"}; a missing field or a refused update is a 400."""
     async def handler(request: web.Request) -> web.Response:
         try:
-            body = await request.json() if request.can_read_body else {}
+            body = await request.json() if request.body_exists else {}
             if not isinstance(body, dict):
                 raise ValueError(f"the body must be a JSON object, got {type(body).__name__}")
             message = await fn(body)
