@@ -52,17 +52,17 @@ def device_info(smoke: bool, budget_s: float) -> dict:
 
 
 def run_parts(args) -> dict:
-    start = time.time()
-    result = {"device": device_info(args.smoke, args.budget_s)}
+    """The parts one after the other; the device is read last (this process holds no CUDA context meanwhile)."""
+    start, result, walls = time.time(), {}, {}
     parts = [p for p in PARTS if p in args.parts.split(",")]
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as work:
         for i, part in enumerate(parts):
             left = start + args.budget_s - time.time()
             share = left * PARTS[part] / sum(PARTS[p] for p in parts[i:])
             result[part] = run_child(part, time.time() + share, Path(work), args.smoke)
-            result["device"].setdefault("parts", {})[part] = {"budget_s": share, "wall_s": result[part].pop("_wall_s")}
-    result["device"]["wall_s"] = time.time() - start
-    return result
+            walls[part] = {"budget_s": share, "wall_s": result[part].pop("_wall_s")}
+    device = device_info(args.smoke, args.budget_s) | {"parts": walls, "wall_s": time.time() - start}
+    return {"device": device} | result
 
 
 def run_child(part: str, deadline: float, work: Path, smoke: bool) -> dict:

@@ -86,6 +86,8 @@ def time_grid(model, vocab: int, scale: Scale, cost, deadline: Deadline, recorde
                          for i in range(rows)])
         done = recorder.rows[n0:]
         decode = [r for r in done if r[3] == 0 and r[1] == rows]  # no prefill in it, every row decoding
+        if not decode:  # admitted over more steps than it decodes: no step ran the whole batch alone
+            continue
         prefill = sum(r[-1] for r in done if r[3] > 0)
         step_s = float(np.median([r[-1] for r in decode]))
         context = float(np.mean([r[2] for r in decode]))

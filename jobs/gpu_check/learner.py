@@ -5,9 +5,10 @@ layers as the memory plan says fit; the allocator's peak against the plan of `jo
 (april_ray/learn/plan.py) for the same settings, step time and tokens per second.
 
 No DeepSpeed here: the learner's torch backend (plain AdamW, autocast bf16 over fp32 weights, which are the
-masters) is what one rank of ZeRO-0 holds, and the plan is asked for that backend. Micro-batches are packed,
-under flash_attention_2 where the flash-attn package is installed, else sdpa (which reads the packed
-positions: tests/test_logprobs.py).
+masters) is what one rank of ZeRO-0 holds, and the plan is asked for that backend. Attention is
+flash_attention_2 where the flash-attn package is installed, with packed micro-batches (`learner.packing=auto`),
+else sdpa over padded rows (packed rows would need a block mask there, which takes sdpa off its flash kernel;
+the samples here are of one length, so the rows carry no padding).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def paper_config(scale: Scale, device, model_path: str):
 
     overrides = [f"model.path={model_path}", "learner.backend=torch", "learner.num_ranks=1",
                  "engine.num_engines=1", "learner.zero_stage=0",
-                 'learner.packing="on"', f"learner.attn_implementation={attention(device)}",
+                 f"learner.attn_implementation={attention(device)}",
                  f"learner.micro_batch_tokens={scale.micro_batch_tokens}",
                  f"learner.gpus={int(device.type == 'cuda')}"]
     if scale.smoke:  # a CPU runs the step in float32 (bf16 matmuls are slow there) on a small budget
@@ -123,11 +124,12 @@ def one_shape(scale: Scale, device, path: Path, shape: dict) -> dict:
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch)
     context = plan.parts.get("cuda_context", 0.0)
     planned_gb = plan.phases["train"] - context  # the allocator does not see the CUDA context
+    packed = learner.packed
     del learner
     return {"num_params": plan.notes["num_params"], "layers": shape["num_hidden_layers"], "tokens": tokens,
             "step_s": step_s, "tokens_per_s": tokens / step_s, "load_s": load_s,
             "peak_gb": peak.peak_gb, "reserved_gb": peak.reserved_gb, "peak_source": peak.source,
-            "plan_gb": planned_gb, "plan_over_peak": planned_gb / peak.peak_gb,
+            "plan_gb": planned_gb, "plan_over_peak": planned_gb / peak.peak_gb, "packed": packed,
             "plan": plan.to_json(), "grad_norm": metrics["train/grad_norm"],
             "micro_batches": metrics["train/num_micro_batches"]}
 
