@@ -43,6 +43,7 @@ def test_engine_curve_mix_and_fit_beside_the_roofline(check):
         assert all(p["tok_s"] > 0 and p["roofline_tok_s"] > 0 and p["decode_step_s"] > 0 for p in points)
         [mix] = res["length_mix"]
         assert mix["tok_s"] > 0 and mix["simulated_tok_s_roofline"] > 0 and mix["simulated_tok_s_fitted"] > 0
+        assert 0 < mix["running_rows_mean"] <= mix["concurrency"] == 8
         fit, roof = res["step_cost"]["fit"], res["step_cost"]["roofline"]
         assert {"a", "b", "c", "prefill_per_token", "rel_error_median"} <= set(fit) and fit["steps"] > 0
         assert roof["t0"] > 0 and roof["memory_per_context_token"] > 0 and roof["compute_per_row"] > 0

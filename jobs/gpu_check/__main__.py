@@ -75,7 +75,7 @@ def run_child(part: str, deadline: float, work: Path, smoke: bool) -> dict:
     except subprocess.TimeoutExpired:
         code = "killed"
     res = json.loads(out.read_text()) if out.exists() else {}
-    if code != 0 and "error" not in res:
+    if code != 0 and "error" not in res:  # what it had finished is kept beside
         res["error"] = f"the part's process ended with {code} (its output is above)"
     return res | {"_wall_s": time.time() - t0}
 
@@ -91,17 +91,21 @@ def one_part(args) -> None:
     if device.type == "cpu":
         torch.set_num_threads(1)  # as the CPU engine runs (engine.num_threads)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    deadline, work = Deadline(args.deadline), Path(args.work)
-    runs = {"engine": lambda: engine.run(scale, device, dtype, deadline),
+    deadline, work, out = Deadline(args.deadline), Path(args.work), Path(args.out)
+
+    def progress(partial: dict) -> None:  # what a part has so far, kept should its process be stopped
+        write_json(out, partial)
+
+    runs = {"engine": lambda: engine.run(scale, device, dtype, deadline, progress),
             "schedules": lambda: schedules.run(scale, device, dtype, deadline),
-            "learner": lambda: learner.run(scale, device, work, deadline),
+            "learner": lambda: learner.run(scale, device, work, deadline, progress),
             "handoff": lambda: handoff.run(scale, device, dtype, work, deadline)}
     try:
         result = runs[args.part]()
     except Exception as e:
         traceback.print_exc()
         result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-    write_json(Path(args.out), result)
+    write_json(out, result)
 
 
 def table(result: dict) -> str:

@@ -137,10 +137,37 @@ def model_dir(work: Path, name: str, shape: dict, device) -> Path:
     model.save_pretrained(out)
     build_tokenizer().save_pretrained(out)
     del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free(device)
     (out / "done").write_text("")
     return out
+
+
+def first_layers(full: Path, layers: int) -> Path:
+    """A model directory of the first `layers` decoder layers of the one at `full`: its config cut, its files
+    linked (loading skips the other layers' weights), so a smaller slice costs no new weights on disk."""
+    out = full.parent / f"{full.name}_{layers}_layers"
+    out.mkdir(exist_ok=True)
+    config = json.loads((full / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:layers]
+    (out / "config.json").write_text(json.dumps(config))
+    for f in full.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f)
+    return out
+
+
+def free(device) -> None:
+    """Give back what dropped objects held: an engine and its step recorder refer to each other, so only the
+    cycle collector frees a KV cache; then the allocator's cache goes back to the device."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class Deadline:

@@ -15,7 +15,8 @@ import time
 
 import numpy as np
 
-from jobs.gpu_check.common import Deadline, Scale, build_model, device_name, length_mix, roofline, simulate_defaults
+from jobs.gpu_check.common import (Deadline, Scale, build_model, device_name, free, length_mix, roofline,
+                                   simulate_defaults)
 from sim.calibrate import COSTS, StepRecorder, cpu_step_cost, fit_costs
 
 
@@ -25,32 +26,35 @@ class WallStepRecorder(StepRecorder):
     clock = staticmethod(time.perf_counter)
 
 
-def run(scale: Scale, device, dtype, deadline: Deadline) -> dict:
+def run(scale: Scale, device, dtype, deadline: Deadline, progress) -> dict:
+    """Each shape in its share of the part's time; `progress` is told each shape's result as it comes."""
     shapes = ["Qwen3-0.6B", "Qwen3-1.7B"]
     out = {}
     for i, name in enumerate(shapes):
         share = Deadline(time.time() + deadline.left() / (len(shapes) - i))
         out[name] = one_shape(scale.shapes[name], scale, device, dtype, share) if not deadline.passed() else \
             {"skipped": "the part's budget was spent"}
+        progress(out)
     return out
 
 
 def one_shape(shape: dict, scale: Scale, device, dtype, deadline: Deadline) -> dict:
-    import torch
-
     t0 = time.perf_counter()
     model = build_model(shape, device, dtype)
     built_s = time.perf_counter() - t0
     cost = roofline(shape, device_name(device))
     recorded: list[tuple] = []
     grid = time_grid(model, shape["vocab_size"], scale, cost, deadline, recorded)
-    mix = [mix_throughput(model, scale, c, deadline, recorded) for c in scale.mix_concurrency if not deadline.passed()]
+    mix = []
+    for c in scale.mix_concurrency:
+        free(device)  # the last engine's KV cache
+        if not deadline.passed():
+            mix.append(mix_throughput(model, scale, c, deadline, recorded))
+    del model
+    free(device)
     fit = fit_costs(recorded) if len(recorded) >= len(COSTS) else {}
     for m in mix:
         m |= simulated_ceilings(scale, m["concurrency"], cost, fit)
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return {"model_built_s": built_s, "by_concurrency": grid, "length_mix": mix,
             "step_cost": {"fit": fit, "roofline": roofline_terms(cost),
                           "what": "step = a + b x rows + c x context tokens + prefill_per_token x prefilled "
@@ -138,14 +142,15 @@ async def saturate(engine, lengths, prompt_len: int, budget: int, concurrency: i
 
     lanes = [asyncio.ensure_future(lane()) for _ in range(concurrency)]
     await asyncio.sleep(seconds)  # the lanes start in lockstep: let them spread out
-    st0, t0 = engine.stats(drain=False), time.perf_counter()
+    st0 = engine.stats(drain=False)
+    n0, k0, t0 = st0.num_generated_tokens, len(st0.occupancy), time.perf_counter()  # (the list goes on growing)
     await asyncio.sleep(seconds)
     st, dt = engine.stats(drain=False), time.perf_counter() - t0
     stop = True
     engine.abort_all()
     await asyncio.gather(*lanes)
-    occupancy = [n for _, n in st.occupancy[len(st0.occupancy):]]
-    return st.num_generated_tokens - st0.num_generated_tokens, dt, float(np.mean(occupancy or [0]))
+    occupancy = [n for _, n in st.occupancy[k0:]]
+    return st.num_generated_tokens - n0, dt, float(np.mean(occupancy or [0]))
 
 
 def simulated_ceilings(scale: Scale, concurrency: int, cost, fit: dict) -> dict:

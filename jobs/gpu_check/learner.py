@@ -18,7 +18,7 @@ import random
 import time
 from pathlib import Path
 
-from jobs.gpu_check.common import Deadline, Scale, model_dir
+from jobs.gpu_check.common import Deadline, Scale, first_layers, free, model_dir
 
 PAPER_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qwen3_4b_dapo.yaml"
 FITS_SHARE = 0.9
@@ -60,25 +60,35 @@ def planned(cfg, shape: dict, device):
 
 
 def slice_layers(scale: Scale, device, cfg) -> int:
-    """Qwen3-4B's layers, as many as the plan fits in FITS_SHARE of the memory (at least one)."""
+    """Qwen3-4B's layers, as many as the plan's train phase fits in FITS_SHARE of the memory (at least one;
+    the colocated plan's rollout phase, the engine's pool beside the learner's states, is not measured here)."""
     shape = scale.shapes["Qwen3-4B"]
     for layers in range(shape["num_hidden_layers"], 0, -1):
-        if planned(cfg, shape | {"num_hidden_layers": layers}, device).peak_gb_per_gpu <= FITS_SHARE * memory_gb(device, cfg):
+        if planned(cfg, shape | {"num_hidden_layers": layers}, device).phases["train"] <= FITS_SHARE * memory_gb(device, cfg):
             return layers
     return 1
 
 
-def run(scale: Scale, device, work: Path, deadline: Deadline) -> dict:
-    cfg = paper_config(scale, device, "Qwen3-4B")
-    layers = slice_layers(scale, device, cfg)
-    four = scale.shapes["Qwen3-4B"] | {"num_hidden_layers": layers}
-    out = {}
-    for name, shape in (("Qwen3-1.7B", scale.shapes["Qwen3-1.7B"]), (f"Qwen3-4B_{layers}_layers", four)):
-        if deadline.passed():
-            out[name] = {"skipped": "the part's budget was spent"}
-            continue
-        out[name] = one_shape(scale, device, model_dir(work, name, shape, device), shape)
-    return out | {"attention": attention(device), "stopped_early": deadline.passed()}
+def run(scale: Scale, device, work: Path, deadline: Deadline, progress) -> dict:
+    """1.7B, then the 4B slice; a slice the allocator cannot hold after all is recorded, and a smaller one
+    (three quarters of its layers) tried while time is left. `progress` is told each result as it comes."""
+    out: dict = {"attention": attention(device)}
+    small, four = scale.shapes["Qwen3-1.7B"], scale.shapes["Qwen3-4B"]
+    if not deadline.passed():
+        out["Qwen3-1.7B"] = one_shape(scale, device, model_dir(work, "Qwen3-1.7B", small, device), small)
+        free(device)
+        progress(out)
+    layers = slice_layers(scale, device, paper_config(scale, device, "Qwen3-4B"))
+    while not deadline.passed():
+        full = model_dir(work, "Qwen3-4B", four, device)
+        path = full if layers == four["num_hidden_layers"] else first_layers(full, layers)
+        res = out[f"Qwen3-4B_{layers}_layers"] = one_shape(scale, device, path, four | {"num_hidden_layers": layers})
+        free(device)
+        progress(out)
+        if "error" not in res or layers == 1:
+            break
+        layers = max(1, layers * 3 // 4)
+    return out | {"stopped_early": deadline.passed()}
 
 
 def samples(scale: Scale, vocab: int, prompt: int = 256) -> list:
@@ -101,10 +111,21 @@ def one_shape(scale: Scale, device, path: Path, shape: dict) -> dict:
     """A small step first (the optimiser's states exist from then on), then the measured one."""
     import torch
 
-    from april_ray.learn.learner import Learner
-
     cfg = paper_config(scale, device, str(path))
     plan = planned(cfg, shape, device)
+    try:
+        res = measured_step(scale, device, path, shape, cfg) | plan_beside(plan)
+        return res | {"plan_over_peak": res["plan_gb"] / res["peak_gb"]}
+    except torch.cuda.OutOfMemoryError as e:
+        return {"error": f"out of memory: {str(e).splitlines()[0]}", "layers": shape["num_hidden_layers"],
+                "plan": plan.to_json()}
+
+
+def measured_step(scale: Scale, device, path: Path, shape: dict, cfg) -> dict:
+    import torch
+
+    from april_ray.learn.learner import Learner
+
     t0 = time.perf_counter()
     learner = Learner(str(path), cfg.learner, cfg.algorithm, cfg.sampling.temperature, cfg.sampling.max_response_len,
                       staleness=cfg.staleness, device=str(device))
@@ -116,22 +137,19 @@ def one_shape(scale: Scale, device, path: Path, shape: dict) -> dict:
     held += sum(t.numel() * t.element_size() for state in learner.optimizer.state.values() for t in state.values()
                 if torch.is_tensor(t))
     peak = Peak(device, held)
-    try:
-        metrics = learner.train_step(batch, version=0)
-    except torch.cuda.OutOfMemoryError as e:
-        return {"error": f"out of memory: {str(e).splitlines()[0]}", "plan": plan.to_json()}
+    metrics = learner.train_step(batch, version=0)
     step_s = peak.stop()
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch)
-    context = plan.parts.get("cuda_context", 0.0)
-    planned_gb = plan.phases["train"] - context  # the allocator does not see the CUDA context
-    packed = learner.packed
-    del learner
-    return {"num_params": plan.notes["num_params"], "layers": shape["num_hidden_layers"], "tokens": tokens,
-            "step_s": step_s, "tokens_per_s": tokens / step_s, "load_s": load_s,
-            "peak_gb": peak.peak_gb, "reserved_gb": peak.reserved_gb, "peak_source": peak.source,
-            "plan_gb": planned_gb, "plan_over_peak": planned_gb / peak.peak_gb, "packed": packed,
-            "plan": plan.to_json(), "grad_norm": metrics["train/grad_norm"],
+    return {"layers": shape["num_hidden_layers"], "tokens": tokens, "step_s": step_s, "tokens_per_s": tokens / step_s,
+            "load_s": load_s, "peak_gb": peak.peak_gb, "reserved_gb": peak.reserved_gb, "peak_source": peak.source,
+            "packed": learner.packed, "grad_norm": metrics["train/grad_norm"],
             "micro_batches": metrics["train/num_micro_batches"]}
+
+
+def plan_beside(plan) -> dict:
+    """The plan's train phase less the CUDA contexts (the allocator does not see them), over the measured peak."""
+    return {"num_params": plan.notes["num_params"], "plan": plan.to_json(),
+            "plan_gb": plan.phases["train"] - plan.parts.get("cuda_context", 0.0)}
 
 
 class Peak:

@@ -18,11 +18,14 @@ import numpy as np
 
 from april_ray.config import RolloutConfig, StalenessConfig, over_sampling_batch_size
 from april_ray.rollout.prompt_source import PromptSource
-from jobs.gpu_check.common import Deadline, Scale, build_model, device_name, length_mix, roofline, simulate_defaults
+from jobs.gpu_check.common import (Deadline, Scale, build_model, device_name, free, length_mix, roofline,
+                                   simulate_defaults)
 from jobs.gpu_check.engine import WallStepRecorder, saturate
 
 PAPER_STALENESS = StalenessConfig(max_versions=4, policy="mask")
 """configs/qwen3_4b_dapo.yaml's staleness section."""
+SIMULATION_S = 10.0
+"""Kept for the simulations after the measured rounds (a few seconds of CPU at the GPU check's scale)."""
 
 
 class DrawnLengthSource(PromptSource):
@@ -98,8 +101,6 @@ def modes_for(scale: Scale) -> list[tuple[str, RolloutConfig]]:
 
 
 def run(scale: Scale, device, dtype, deadline: Deadline) -> dict:
-    import torch
-
     shape = scale.shapes["Qwen3-0.6B"]
     model = build_model(shape, device, dtype)
     lengths, prompt_len, budget = length_mix(scale)
@@ -109,8 +110,7 @@ def run(scale: Scale, device, dtype, deadline: Deadline) -> dict:
     modes = [Mode(name, r, model, cap, scale, prompts) for name, r in configs]
     result = asyncio.run(measure(modes, model, scale, cap, deadline))
     del modes, model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free(device)
     fit = fit_of(result.pop("recorded"))
     steps = min(m["steps"] for m in result["measured"].values()) if result["measured"] else 0
     sims = simulate(scale, configs, cap, steps, fit, roofline(shape, device_name(device))) if steps else {}
@@ -162,7 +162,7 @@ async def measure(modes: list[Mode], model, scale: Scale, cap: int, deadline: De
 
     ceilings, round_s, stopped = [await ceiling()], 0.0, False
     for step in range(scale.warmup_steps + scale.steps):
-        if deadline.left() < round_s + 2 * scale.probe_s:
+        if deadline.left() < round_s + 2 * scale.probe_s + SIMULATION_S:
             stopped = True
             break
         t0 = time.perf_counter()
