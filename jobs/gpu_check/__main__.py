@@ -44,7 +44,8 @@ def device_info(smoke: bool, budget_s: float) -> dict:
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     scale = SMOKE_SCALE if smoke else GPU_SCALE
     return {"name": name, "type": "cuda" if cuda else "cpu", "torch": torch.__version__,
-            "cuda": torch.version.cuda, "memory_gb": torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else None,
+            "cuda": torch.version.cuda,
+            "memory_gb": torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else None,
             "roofline_card": accelerator_key(name) + ("" if cuda and accelerator_key(name) in name.lower()
                                                       else " (nominal: this device is not one sim/hardware.py knows)"),
             "cpus": os.cpu_count(), "budget_s": budget_s, "smoke": smoke, "length_scale": scale.length_scale,
@@ -119,6 +120,10 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _get(d: dict, key: str) -> float:
+    return d.get(key) if d.get(key) is not None else float("nan")
+
+
 def engine_lines(res: dict) -> list[str]:
     lines = []
     for name, r in res.items():
@@ -126,24 +131,28 @@ def engine_lines(res: dict) -> list[str]:
             continue
         top = max(r["by_concurrency"], key=lambda p: (p["context_per_row"], p["rows"]), default=None)
         if top:
-            lines.append(f"engine {name}: {top['rows']} rows x {top['context_per_row']:.0f} tokens: {top['tok_s']:.0f} tok/s, "
-                         f"step {top['decode_step_s'] * 1e3:.2f} ms (roofline {top['roofline_step_s'] * 1e3:.2f} ms)")
+            lines.append(f"engine {name}: {top['rows']} rows x {top['context_per_row']:.0f} tokens: "
+                         f"{top['tok_s']:.0f} tok/s, step {top['decode_step_s'] * 1e3:.2f} ms "
+                         f"(roofline {top['roofline_step_s'] * 1e3:.2f} ms)")
         for m in r["length_mix"]:
-            lines.append(f"  mix at {m['concurrency']} rows: {m['tok_s']:.0f} tok/s; simulated {m['simulated_tok_s_roofline']:.0f} "
-                         f"(roofline), {m.get('simulated_tok_s_fitted', float('nan')):.0f} (fitted)")
-        fit = r["step_cost"]["fit"]
+            lines.append(f"  mix at {m['concurrency']} rows: {m['tok_s']:.0f} tok/s; simulated "
+                         f"{_get(m, 'simulated_tok_s_roofline'):.0f} (roofline), "
+                         f"{_get(m, 'simulated_tok_s_fitted'):.0f} (fitted)")
+        fit, roof = r["step_cost"]["fit"], r["step_cost"]["roofline"]
         if fit:
-            lines.append(f"  fit: a {fit['a'] * 1e3:.3f} ms/step, b {fit['b'] * 1e6:.2f} us/row, c {fit['c'] * 1e9:.2f} "
-                         f"ns/context token, prefill {fit['prefill_per_token'] * 1e6:.3f} us/token")
+            lines.append(f"  fit: a {fit['a'] * 1e3:.3f} ms/step (roofline {roof['fixed_per_step'] * 1e3:.3f}), "
+                         f"b {fit['b'] * 1e6:.2f} us/row, "
+                         f"c {fit['c'] * 1e9:.2f} ns/context token, "
+                         f"prefill {fit['prefill_per_token'] * 1e6:.3f} us/token")
     return lines
 
 
 def schedule_lines(res: dict) -> list[str]:
     lines = ["schedules (utilization: measured | simulated fitted | roofline; gain over sync):"]
     for name, m in res.get("modes", {}).items():
-        lines.append(f"  {name:14s} {m['utilization']:.3f} | {m.get('simulated_utilization_fitted', float('nan')):.3f} | "
-                     f"{m.get('simulated_utilization_roofline', float('nan')):.3f}; gain {m.get('gain_over_sync', float('nan')):.2f} "
-                     f"(simulated {m.get('simulated_gain_over_sync_fitted', float('nan')):.2f})")
+        lines.append(f"  {name:14s} {m['utilization']:.3f} | {_get(m, 'simulated_utilization_fitted'):.3f} | "
+                     f"{_get(m, 'simulated_utilization_roofline'):.3f}; gain {_get(m, 'gain_over_sync'):.2f} "
+                     f"(simulated {_get(m, 'simulated_gain_over_sync_fitted'):.2f})")
     return lines
 
 
@@ -151,8 +160,9 @@ def learner_lines(res: dict) -> list[str]:
     lines = []
     for name, r in res.items():
         if isinstance(r, dict) and "step_s" in r:
-            lines.append(f"learner {name}: {r['tokens']} tokens, step {r['step_s']:.2f} s, {r['tokens_per_s']:.0f} tok/s, "
-                         f"peak {r['peak_gb']:.2f} GB, plan {r['plan_gb']:.2f} GB (plan/peak {r['plan_over_peak']:.2f})")
+            lines.append(f"learner {name}: {r['tokens']} tokens, step {r['step_s']:.2f} s, "
+                         f"{r['tokens_per_s']:.0f} tok/s, peak {r['peak_gb']:.2f} GB, plan {r['plan_gb']:.2f} GB "
+                         f"(plan/peak {r['plan_over_peak']:.2f})")
         elif isinstance(r, dict):
             lines.append(f"learner {name}: {r.get('error') or r.get('skipped')}")
     return lines

@@ -2,7 +2,6 @@
 built from those shapes, the simulator's length mix and roofline for the card, and each part's deadline."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -64,9 +63,13 @@ class Scale:
         return max(8, round(PAPER_BUDGET * self.length_scale))
 
 
-GPU_SCALE = Scale(False, 1 / 32, (1, 8, 32, 64, 128, 256), (64, 256, 512), 8, (64, 256), 4.0, 4, 8, (1.5, 2.0),
-                  6, 2, 32768, 4096, 5)
-SMOKE_SCALE = Scale(True, 1 / 512, (1, 4, 8), (8, 24), 3, (8,), 0.5, 2, 4, (1.5, 2.0), 2, 1, 256, 64, 2)
+GPU_SCALE = Scale(smoke=False, length_scale=1 / 32, grid_rows=(1, 8, 32, 64, 128, 256), grid_contexts=(64, 256, 512),
+                  grid_decode_steps=8, mix_concurrency=(64, 256), probe_s=4.0, rollout_groups=4, n_samples=8,
+                  factors=(1.5, 2.0), steps=6, warmup_steps=2, micro_batch_tokens=32768, sample_tokens=4096,
+                  updates=5)
+SMOKE_SCALE = Scale(smoke=True, length_scale=1 / 512, grid_rows=(1, 4, 8), grid_contexts=(8, 24), grid_decode_steps=3,
+                    mix_concurrency=(8,), probe_s=0.5, rollout_groups=2, n_samples=4, factors=(1.5, 2.0), steps=2,
+                    warmup_steps=1, micro_batch_tokens=256, sample_tokens=64, updates=2)
 
 
 def simulate_defaults():
@@ -186,7 +189,3 @@ class Deadline:
 def write_json(path: Path, result: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=float))
-
-
-def as_dict(obj) -> dict:
-    return dataclasses.asdict(obj)

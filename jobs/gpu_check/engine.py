@@ -64,9 +64,11 @@ def one_shape(shape: dict, scale: Scale, device, dtype, deadline: Deadline) -> d
 
 
 def roofline_terms(cost) -> dict:
+    """The roofline's coefficients, beside the fit's: `fixed_per_step` (t0 plus reading the weights) is the
+    fit's `a`, `compute_per_row` its `b`, `memory_per_context_token` its `c`."""
     (ma, _, mc), (_, cb, cc) = cost.terms
-    return {"t0": cost.t0, "memory_a": ma, "memory_per_context_token": mc, "compute_per_row": cb,
-            "compute_per_context_token": cc, "prefill_per_token": cost.prefill_per_token,
+    return {"fixed_per_step": cost.t0 + ma, "t0": cost.t0, "memory_a": ma, "memory_per_context_token": mc,
+            "compute_per_row": cb, "compute_per_context_token": cc, "prefill_per_token": cost.prefill_per_token,
             "prefill_per_pair": cost.prefill_per_pair}
 
 

@@ -56,15 +56,17 @@ def memory_gb(device, cfg) -> float:
 def planned(cfg, shape: dict, device):
     from april_ray.learn.plan import Shape, plan
 
-    return plan(cfg, Shape.from_hf(shape), memory_gb(device, cfg), dtype_bytes=4 if cfg.learner.dtype == "float32" else 2)
+    dtype_bytes = 4 if cfg.learner.dtype == "float32" else 2
+    return plan(cfg, Shape.from_hf(shape), memory_gb(device, cfg), dtype_bytes=dtype_bytes)
 
 
 def slice_layers(scale: Scale, device, cfg) -> int:
     """Qwen3-4B's layers, as many as the plan's train phase fits in FITS_SHARE of the memory (at least one;
     the colocated plan's rollout phase, the engine's pool beside the learner's states, is not measured here)."""
     shape = scale.shapes["Qwen3-4B"]
+    room = FITS_SHARE * memory_gb(device, cfg)
     for layers in range(shape["num_hidden_layers"], 0, -1):
-        if planned(cfg, shape | {"num_hidden_layers": layers}, device).phases["train"] <= FITS_SHARE * memory_gb(device, cfg):
+        if planned(cfg, shape | {"num_hidden_layers": layers}, device).phases["train"] <= room:
             return layers
     return 1
 

@@ -36,9 +36,12 @@ class DrawnLengthSource(PromptSource):
         self.lengths = lengths
 
     def take(self, num_groups: int, step: int = 0):
-        return [dataclasses.replace(g, samples=[
-            dataclasses.replace(s, max_response_len=min(self.max_response_len, self.lengths(g.prompt_index, s.sample_id)))
-            for s in g.samples]) for g in super().take(num_groups, step)]
+        return [dataclasses.replace(g, samples=[self._drawn(s, g.prompt_index) for s in g.samples])
+                for g in super().take(num_groups, step)]
+
+    def _drawn(self, sample, row: int):
+        budget = min(self.max_response_len, self.lengths(row, sample.sample_id))
+        return dataclasses.replace(sample, max_response_len=budget)
 
 
 class Mode:
@@ -95,8 +98,9 @@ def modes_for(scale: Scale) -> list[tuple[str, RolloutConfig]]:
     out = [("sync", dataclasses.replace(base, schedule="sync"))]
     for f in scale.factors:
         for schedule in ("april", "oversample"):
-            out.append((f"{schedule}_{f:g}", dataclasses.replace(base, schedule=schedule,
-                                                                  over_sampling_batch_size=over_sampling_batch_size(f, n))))
+            over = over_sampling_batch_size(f, n)
+            rollout = dataclasses.replace(base, schedule=schedule, over_sampling_batch_size=over)
+            out.append((f"{schedule}_{f:g}", rollout))
     return out
 
 
