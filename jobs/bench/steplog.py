@@ -81,6 +81,9 @@ class StepRecorder:
     _last_any: float | None = None
     """Thread CPU time when the last recorded step of any engine of the run ended (all run on one
     thread; `new_run` forgets it)."""
+    clock = staticmethod(time.thread_time)
+    """What a step's cost is read from: the thread's CPU (the CPU engine on a shared machine); a GPU
+    engine's step waits on the device, so a check on a GPU reads the wall clock instead."""
 
     @classmethod
     def new_run(cls) -> None:
@@ -101,7 +104,7 @@ class StepRecorder:
 
     def step(self):
         e = self.engine
-        t_in = time.thread_time()
+        t_in = self.clock()
         if self.last is not None:
             self.between_s += t_in - self.last
         from april_ray.engine.model_runner import decode_segments
@@ -110,21 +113,21 @@ class StepRecorder:
         context = sum(s.num_tokens for s in e.scheduler.running)
         segments = decode_segments([s.num_tokens - 1 for s in e.scheduler.running]) if running else []
         attended = sum((end - start) * span for start, end, span in segments)
-        n0, r0, g0, t0 = e.num_prefill_tokens, e.num_reused_tokens, e.num_regroups, time.thread_time()
+        n0, r0, g0, t0 = e.num_prefill_tokens, e.num_reused_tokens, e.num_regroups, self.clock()
         outs = self.inner()
-        dt = time.thread_time() - t0
+        dt = self.clock() - t0
         prefilled, rows = e.num_prefill_tokens - n0, e.occupancy[-1][1]
         self.rows.append((1.0, rows, context, prefilled, float(prefilled > 0), rows - running,
                           e.num_reused_tokens - r0, e.num_regroups - g0, attended, dt))
         self.gaps.append(-1.0 if StepRecorder._last_any is None else t_in - StepRecorder._last_any)
-        self.last = StepRecorder._last_any = time.thread_time()
+        self.last = StepRecorder._last_any = self.clock()
         return outs
 
     def boundary(self) -> None:
         """A rollout step ends: the CPU since the engine's last step (the abort, parking the aborted caches,
         the store) is the step boundary's."""
         if self.last is not None:
-            self.boundary_s += time.thread_time() - self.last
+            self.boundary_s += self.clock() - self.last
         self.last = None
 
     def between(self, process_cpu_s: float, boundary_apart: bool = True) -> dict:
