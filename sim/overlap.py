@@ -118,14 +118,9 @@ def run_overlap(setting: Setting, rollout, batch: int, n_prime: int, batches: in
 
     async def main(loop: VirtualLoop) -> dict:
         loop.clocked.add(CONTROL_PLANE)
-        pools = []
-
-        def pool(workers, capacities):
-            pools.append(OverlapPool(workers, capacities, batch, rollout.n_samples_per_prompt, rollout.dynamic_filter))
-            return pools[0]
-
-        sched = Schedule("overlap", setting, long, loop, pool=pool)
-        p, trains = pools[0], setting.staleness.trains
+        sched = Schedule("overlap", setting, long, loop, pool=lambda workers, capacities: OverlapPool(
+            workers, capacities, batch, rollout.n_samples_per_prompt, rollout.dynamic_filter))
+        p, trains = sched.pool, setting.staleness.trains
         done: list[Batch] = []
 
         async def learner() -> None:
@@ -138,7 +133,7 @@ def run_overlap(setting: Setting, rollout, batch: int, n_prime: int, batches: in
                 response = sum(m.response_len for ms in metas for m in ms) * block
                 train = response + prompt_tokens * sum(map(len, metas))
                 await asyncio.sleep(train * learner_s_per_token + weight_sync_s)
-                for w in sched.pool.workers:  # in flight: from the engines' next step boundary
+                for w in p.workers:  # in flight: from the engines' next step boundary
                     w.update_weights(None, j + 1)
                 done.append(Batch(t0, loop.time(), response, train, batch_staleness(metas, j)))
 
