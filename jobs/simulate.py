@@ -17,7 +17,12 @@ replace the configured backend (`engine.backend` and the server's settings are n
 utilization and speedup, counts the response tokens the learner trains: those of the returned groups,
 less those its staleness mask drops (`masked_token_ratio`; staleness.policy mask or restart); the
 `sample_speedup`s compare samples per rollout second instead (every schedule returns N groups a step; the
-over-provisioned baseline returns the N that finish first, the shortest). Every schedule runs on its own
+over-provisioned baseline returns the N that finish first, the shortest). End to end, with the learner
+and the weight sync in the step (`study.learner_s`, `study.weight_sync_s`), each row gives trained tokens
+per wall second (`*_end_to_end_tok_s`) and their ratio to sync's (`april_end_to_end_speedup`,
+`oversample_end_to_end_speedup`), and the overlapped mode's (sim/overlap.py: the rollout never stops on E
+of the G GPUs, the learner trains on the rest, weights updated in flight) at each split of the GPUs
+(`overlap_splits`) and at the best (`overlap_split`, `overlap_end_to_end_speedup`). Every schedule runs on its own
 virtual loop, so `--workers N` runs them side by side in N processes (at most one per schedule), the
 largest first: the same results (but for the measured control-plane CPU, which passes on the virtual
 clock) in about the time of the longest schedule, given N free cores. The default, `auto`, is one process
@@ -49,7 +54,7 @@ from pathlib import Path
 
 from jobs.common import usable_cores, write_result
 from april_ray.config import add_config_args, to_yaml
-from sim import study
+from sim import overlap, study
 from sim.config import SimulateConfig, number_list, study_inputs
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
@@ -106,8 +111,10 @@ def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float
     # every engine is alike, whatever their number
     ceiling = study.ceiling_of(study.gpu_setting(cfg, sim, gpus[0]), cfg.rollout.n_samples_per_prompt)
     # at N'/N = 1 the over-provisioned baseline is the synchronous one: not simulated twice
+    tp = max(1, cfg.placement.engine_gpus)
     jobs = [job for g in gpus for job in [(g, None, "sync")]
-            + [(g, f, k) for f in factors for k in ("april", "oversample") if k == "april" or f > 1]]
+            + [(g, f, k) for f in factors for k in ("april", "oversample") if k == "april" or f > 1]
+            + [(g, f, f"overlap:{s['engines']}") for f in factors for s in overlap.splits(g, tp)]]
     workers = min(workers, len(jobs))  # (a process per schedule at most)
     pool = None
     if workers > 1:
@@ -124,11 +131,13 @@ def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float
         for job in jobs:  # in order: a GPU count's rows as soon as its schedules are done
             results[job] = futures[job].result() if pool else run_one(cfg, sim, *job, ceiling)
             g, f, kind = job
-            if kind == "sync" or (kind == "april" and f > 1):
-                continue  # a row once APRIL and its baseline are both in
-            over = results[g, None, "sync"] | {"sim_cpu_s": 0.0} if f == 1 else results[job]
+            last = [j for j in jobs if j[0] == g and j[1] == f][-1]
+            if kind == "sync" or job != last:
+                continue  # a row once APRIL, its baseline and the overlapped splits are all in
+            over = results[g, None, "sync"] | {"sim_cpu_s": 0.0} if f == 1 else results[g, f, "oversample"]
             april = results[g, f, "april"]
-            rows.append(result_row(cfg, sim, g, april["engines"], f, results[g, None, "sync"], april, over))
+            splits = [results[j] for j in jobs if j[:2] == (g, f) and j[2].startswith("overlap:")]
+            rows.append(result_row(cfg, sim, g, april["engines"], f, results[g, None, "sync"], april, over, splits))
             print(format_row(rows[-1]), flush=True)
     finally:
         if pool:  # on a failure, the schedules not started yet are dropped
@@ -141,6 +150,8 @@ def simulate_gpus(cfg, sim: SimulateConfig, gpus: list[int], factors: list[float
 
 def run_one(cfg, sim: SimulateConfig, gpus: int, factor: float | None, schedule: str, ceiling: float) -> dict:
     """One schedule (`study.SCHEDULES`) at one GPU count, at N'/N = factor (the synchronous baseline: N)."""
+    if schedule.startswith("overlap:"):
+        return run_overlap(cfg, sim, gpus, int(schedule.split(":")[1]), factor, ceiling)
     setting = study.gpu_setting(cfg, sim, gpus)
     n = study.batch_for(cfg, setting.num_engines)
     rollout = study.rollout_for(cfg, n, factor, schedule)
@@ -148,13 +159,48 @@ def run_one(cfg, sim: SimulateConfig, gpus: int, factor: float | None, schedule:
         | {"engines": setting.num_engines}
 
 
-def result_row(cfg, sim, gpus: int, engines: int, factor: float, sync: dict, april: dict, over: dict) -> dict:
+def run_overlap(cfg, sim: SimulateConfig, gpus: int, engine_gpus: int, factor: float, ceiling: float) -> dict:
+    """The overlapped mode (sim/overlap.py) at G = `gpus`: engines on `engine_gpus` of them, the learner on
+    the rest; the learner's batch is the N of G GPUs' engines (the algorithm's batch is that of the job at
+    G), N' = factor x N in flight on the fewer engines."""
+    tp = max(1, cfg.placement.engine_gpus)
+    setting = study.gpu_setting(cfg, sim, engine_gpus)
+    n = study.batch_for(cfg, gpus // tp)
+    rollout = study.rollout_for(cfg, n, factor, "april")
+    t0 = time.process_time()
+    out = overlap.run_overlap(setting, rollout, n, rollout.over_sampling_batch_size, sim.warmup_steps + sim.steps,
+                              sim.warmup_steps, study.learner_s_on(cfg, sim, gpus - engine_gpus, 1.0),
+                              study.weight_sync_s(cfg, sim), ceiling)
+    return out | {"engines": engine_gpus, "learner": gpus - engine_gpus, "sim_cpu_s": time.process_time() - t0}
+
+
+def overlap_figures(splits: list[dict], sync_e2e_tok_s: float) -> dict:
+    """Each split's trained tokens per wall second over sync's end to end, and the best split (the most
+    tokens per second)."""
+    per = [{"engines": s["engines"], "learner": s["learner"], "end_to_end_tok_s": s["tok_s"],
+            "end_to_end_speedup": s["tok_s"] / sync_e2e_tok_s, "engine_utilization": s["utilization"],
+            "learner_busy_fraction": s["learner_busy_fraction"], "period_s": s["period_s"],
+            "pause_factor": s["pause_factor"], "masked_token_ratio": s["masked_token_ratio"],
+            "off_policy_token_ratio": s["off_policy_token_ratio"], "staleness_hist": s["staleness_hist"],
+            "sim_cpu_s": s["sim_cpu_s"]} for s in splits]
+    if not per:
+        return {"overlap_splits": []}
+    best = max(per, key=lambda s: s["end_to_end_tok_s"])
+    return {"overlap_end_to_end_speedup": best["end_to_end_speedup"],
+            "overlap_split": {"engines": best["engines"], "learner": best["learner"]},
+            "overlap_end_to_end_tok_s": best["end_to_end_tok_s"], "overlap_splits": per}
+
+
+def result_row(cfg, sim, gpus: int, engines: int, factor: float, sync: dict, april: dict, over: dict,
+               splits: list[dict] = ()) -> dict:
     learn = {k: study.learner_s(cfg, sim, gpus, r["train_tokens_per_step"])
              for k, r in (("sync", sync), ("april", april), ("over", over))}
     ws = study.weight_sync_s(cfg, sim)
     kv_bytes = study.model_spec(cfg.model.path).kv_bytes_per_token
     step_s = april["rollout_s"] + learn["april"] + ws
     sync_step_s, over_step_s = sync["rollout_s"] + learn["sync"] + ws, over["rollout_s"] + learn["over"] + ws
+    e2e = {k: study.end_to_end_tok_s(r["unmasked_tok_s"], r["rollout_s"], learn[k], ws)
+           for k, r in (("sync", sync), ("april", april), ("over", over))}
     return {
         "gpus": gpus, "engines": engines, "factor": factor,
         "rollout_batch_size": april["rollout_batch_size"], "over_sampling_batch_size": april["over_sampling_batch_size"],
@@ -171,6 +217,12 @@ def result_row(cfg, sim, gpus: int, engines: int, factor: float, sync: dict, apr
         "masked_token_ratio": april["masked_token_ratio"],
         "step_s": step_s, "sync_step_s": sync_step_s, "step_speedup": sync_step_s / step_s,
         "oversample_step_s": over_step_s, "step_speedup_vs_oversample": over_step_s / step_s,
+        # trained tokens per wall second, learner and weight sync included (the synchronous job's step)
+        "sync_end_to_end_tok_s": e2e["sync"], "april_end_to_end_tok_s": e2e["april"],
+        "oversample_end_to_end_tok_s": e2e["over"],
+        "april_end_to_end_speedup": e2e["april"] / e2e["sync"],
+        "oversample_end_to_end_speedup": e2e["over"] / e2e["sync"],
+        **overlap_figures(list(splits), e2e["sync"]),
         "rollout_s": april["rollout_s"], "sync_rollout_s": sync["rollout_s"], "oversample_rollout_s": over["rollout_s"],
         "learner_s": learn["april"], "weight_sync_s": ws,
         "kv_peak_gb": max(april["kv_peak_tokens"], sync["kv_peak_tokens"], over["kv_peak_tokens"]) * kv_bytes / 1e9,
@@ -185,7 +237,7 @@ def result_row(cfg, sim, gpus: int, engines: int, factor: float, sync: dict, apr
         "duplicated_samples": april["duplicated_samples"] + sync["duplicated_samples"] + over["duplicated_samples"],
         "samples_with_wrong_length": april["samples_with_wrong_length"] + sync["samples_with_wrong_length"]
                                      + over["samples_with_wrong_length"],
-        "sim_cpu_s": april["sim_cpu_s"] + sync["sim_cpu_s"] + over["sim_cpu_s"],
+        "sim_cpu_s": april["sim_cpu_s"] + sync["sim_cpu_s"] + over["sim_cpu_s"] + sum(s["sim_cpu_s"] for s in splits),
         "april_sim_cpu_s": april["sim_cpu_s"], "sync_sim_cpu_s": sync["sim_cpu_s"], "oversample_sim_cpu_s": over["sim_cpu_s"],
     }
 
@@ -213,7 +265,11 @@ def format_row(r: dict) -> str:
             f"masked {r['masked_token_ratio']:.3f}  over-provisioned baseline {r['oversample_utilization']:.3f} "
             f"(APRIL x{r['speedup_vs_oversample']:.2f} tokens/s, x{r['sample_speedup_vs_oversample']:.2f} samples/s)  "
             f"step {r['step_s']:.0f} s (sync {r['sync_step_s']:.0f})  KV peak {r['kv_peak_gb']:.1f} GB  "
-            f"control plane {r['control_plane_cpu_s_per_step']:.3f} s/step  [sim {r['sim_cpu_s']:.1f} s CPU]")
+            f"control plane {r['control_plane_cpu_s_per_step']:.3f} s/step  [sim {r['sim_cpu_s']:.1f} s CPU]\n"
+            f"    end to end vs sync: APRIL {r['april_end_to_end_speedup']:.2f}  over-provisioned "
+            f"{r['oversample_end_to_end_speedup']:.2f}  overlapped "
+            + "  ".join(f"{s['engines']}+{s['learner']} {s['end_to_end_speedup']:.2f}" for s in r["overlap_splits"])
+            + (f"  (best {r['overlap_split']['engines']}+{r['overlap_split']['learner']})" if r["overlap_splits"] else ""))
 
 
 def plot(rows: list[dict], path: str) -> None:

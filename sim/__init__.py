@@ -8,6 +8,7 @@ workload.py  prompts, response lengths (drawn, not sampled) and stand-in rewards
 engine.py    SimEngine: continuous batching, KV capacity, abort/resume, versions (the Engine protocol)
 cluster.py   Setting, Schedule (one schedule on E engines, with the accounting checks) and the ceiling
 study.py     GPU clusters from the config; learner and weight-sync time; the stated assumptions
+overlap.py   the overlapped mode: a rollout that never stops on E GPUs, the learner on the rest
 calibrate.py the CPU engine measured, and the simulator against jobs/bench/schedule.py's figures
 config.py    SimulateConfig (`simulate.*`)
 """

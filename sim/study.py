@@ -113,10 +113,21 @@ def ceiling_of(setting: Setting, n_samples: int) -> float:
 def learner_s(cfg: Config, sim: SimulateConfig, gpus: int, tokens: float) -> float:
     """tokens x 6 x params / (learner GPUs x peak FLOP/s x MFU): colocated, the learner has every GPU;
     disaggregated, its ranks scale with the engines from the config's (learner.num_ranks x learner.gpus)."""
-    model, acc = model_spec(cfg.model.path), ACCELERATORS[sim.accelerator]
     learner_gpus = gpus if cfg.placement.colocate else max(1, round(
         cfg.learner.num_ranks * max(1, cfg.learner.gpus) * gpus / (cfg.engine.num_engines * max(1, cfg.placement.engine_gpus))))
+    return learner_s_on(cfg, sim, learner_gpus, tokens)
+
+
+def learner_s_on(cfg: Config, sim: SimulateConfig, learner_gpus: int, tokens: float) -> float:
+    """tokens x 6 x params / (learner_gpus x peak FLOP/s x MFU): the learner's time on a given number of GPUs."""
+    model, acc = model_spec(cfg.model.path), ACCELERATORS[sim.accelerator]
     return tokens * 6 * model.num_params / (learner_gpus * acc.flops * sim.learner_mfu)
+
+
+def end_to_end_tok_s(rollout_tok_s: float, rollout_s: float, learner_s: float, weight_sync_s: float) -> float:
+    """Trained tokens per wall second of a synchronous job: a step's trained tokens (rollout_tok_s x
+    rollout_s) over the whole step, rollout + learner + weight sync one after the other."""
+    return rollout_tok_s * rollout_s / (rollout_s + learner_s + weight_sync_s)
 
 
 def weight_sync_s(cfg: Config, sim: SimulateConfig) -> float:
@@ -157,6 +168,15 @@ def assumptions(cfg: Config, sim: SimulateConfig, setting: Setting) -> dict:
                     "mfu": sim.learner_mfu, "colocated": cfg.placement.colocate},
         "weight_sync": {"gb_s": sim.weight_sync_gb_s, "seconds": weight_sync_s(cfg, sim)},
         "step": "step_s = rollout + learner + weight sync, one after the other (the job is synchronous)",
+        "overlap": "sim/overlap.py: E engines never aborted (one APRIL step as long as the run, N' in flight, "
+                   "topped up; N and N' those of the G-GPU job, so each of the E engines carries G/E times "
+                   "the config's load), a learner on the other G - E GPUs (learner formula on G - E GPUs) taking the "
+                   "next N complete groups as soon as they are there; each update costs the learner one weight "
+                   "sync and the engines a pause as long (charged as lost tokens when they set the pace); "
+                   "staleness: tokens older than max_versions masked at training, and no group starts or "
+                   "resumes while a full batch already waits for the learner; splits: the learner gets "
+                   "1/2, 3/8, 1/4, 3/16, 1/8, 1/16 of the GPUs (whole engines, at least one GPU each side); the best "
+                   "split is the one with the most trained tokens per wall second",
         "control_plane": "the real CompletionMonitor, PromptSource and PartialRolloutStore on this machine's "
                          "core: their CPU (process time) is measured per step and passes on the virtual clock "
                          "(latency: completions that arrive meanwhile wait for the monitor), engines unaffected",

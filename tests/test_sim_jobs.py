@@ -155,6 +155,8 @@ def test_jobs_simulate_writes_the_promised_keys(tmp_path):
            "simulate.length_median=300", "sampling.max_response_len=2048", "engine.max_model_len=3072"]
     proc = subprocess.run([*cmd, "--workers", "1"], check=True, capture_output=True, text=True, timeout=300)
     result = json.loads(out.read_text())
+    from sim import overlap
+
     assert result["workers"] == 1 and proc.stdout.rstrip().endswith("of CPU in 1 process")
     assert {"wall_s", "assumptions", "results"} <= result.keys() and png.stat().st_size > 0
     assert len(result["results"]) == 4
@@ -170,14 +172,29 @@ def test_jobs_simulate_writes_the_promised_keys(tmp_path):
         assert row["sample_speedup_vs_oversample"] > 0 and row["speedup_vs_oversample"] > 0
         assert row["lost_groups"] == row["duplicated_samples"] == row["samples_with_wrong_length"] == 0
         assert math.isfinite(row["step_s"]) and row["step_s"] > 0
+        # end to end (learner and weight sync in the step): trained tokens per wall second over sync's
+        assert row["april_end_to_end_tok_s"] == pytest.approx(row["april_tok_s"] * row["rollout_s"] / row["step_s"])
+        assert row["sync_end_to_end_tok_s"] == pytest.approx(row["sync_tok_s"] * row["sync_rollout_s"] / row["sync_step_s"])
+        assert row["april_end_to_end_speedup"] == pytest.approx(row["april_end_to_end_tok_s"] / row["sync_end_to_end_tok_s"])
+        # the overlapped mode: each split of the GPUs, the best one named
+        splits = row["overlap_splits"]
+        assert [(s["engines"], s["learner"]) for s in splits] == [(s["engines"], s["learner"])
+                                                                  for s in overlap.splits(row["gpus"])]
+        assert all(s["engines"] + s["learner"] == row["gpus"] for s in splits) and len(splits) >= 3
+        for s in splits:
+            assert s["end_to_end_speedup"] == pytest.approx(s["end_to_end_tok_s"] / row["sync_end_to_end_tok_s"])
+            assert 0 < s["engine_utilization"] <= 1.05 and 0 < s["learner_busy_fraction"] <= 1
+        best = max(splits, key=lambda s: s["end_to_end_tok_s"])
+        assert row["overlap_split"] == {"engines": best["engines"], "learner": best["learner"]}
+        assert row["overlap_end_to_end_speedup"] == best["end_to_end_speedup"]
     assert result["assumptions"]["accelerator"]["bandwidth"] == 3.35e12
     # side by side in two processes, and by default in a process per usable core (at most one per schedule:
-    # 8 here): the same schedules (the control plane's measured CPU, which passes on the virtual clock, moves
-    # the figures by a hair)
+    # 28 here, 20 of them the overlapped mode's splits): the same schedules (the control plane's measured CPU,
+    # which passes on the virtual clock, moves the figures by a hair)
     from jobs.common import usable_cores
 
     sides = []
-    for workers, expected in [(["--workers", "2"], 2), ([], min(8, usable_cores()))]:
+    for workers, expected in [(["--workers", "2"], 2), ([], min(28, usable_cores()))]:
         both = tmp_path / f"side{expected}.json"
         subprocess.run([*cmd[:cmd.index("--json") + 1], str(both), *cmd[cmd.index("--plot") + 2:], *workers],
                        check=True, capture_output=True, text=True, timeout=300)
@@ -188,13 +205,14 @@ def test_jobs_simulate_writes_the_promised_keys(tmp_path):
         assert a["off_policy_token_ratio"] == pytest.approx(b["off_policy_token_ratio"], abs=0.02)
         for key in ("sync_utilization", "april_utilization", "speedup"):  # ~0.1% apart on a quiet machine
             assert a[key] == pytest.approx(b[key], rel=0.03), key
-    # no more processes than schedules (here 2: sync, and APRIL at N'/N = 1), and a bad count named
+    # no more processes than schedules (here 6: sync, APRIL at N'/N = 1 and the overlapped mode's 4 splits),
+    # and a bad count named
     from jobs.simulate import simulate_gpus
     from april_ray.config import load_config
     from sim.config import load_simulate_config
 
     small = load_config(str(ROOT / "configs/qwen3_4b_dapo.yaml"), ["sampling.max_response_len=2048"])
     sim = load_simulate_config(["simulate.steps=1", "simulate.warmup_steps=0", "simulate.length_median=300"])
-    assert simulate_gpus(small, sim, [8], [1.0], workers=4)["workers"] == 2
+    assert simulate_gpus(small, sim, [8], [1.0], workers=8)["workers"] == 6
     with pytest.raises(ValueError, match="workers: expected a number of processes of at least 1 or 'auto', got 0"):
         simulate_gpus(small, sim, [8], [1.0], workers=0)
