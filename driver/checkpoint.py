@@ -109,7 +109,7 @@ def open_run(out_dir: Path, train, log=print) -> Path | None:
 
 
 EARLIER_RUNS = "runs"
-RUN_RECORDS = {RUN_FILE, LATEST, "config.yaml", "wandb_run_id", "wandb", "weights"}
+RUN_RECORDS = {RUN_FILE, LATEST, "config.yaml", "wandb_run_id", "wandb", "tensorboard", "weights"}
 """What a run leaves in its output directory besides its checkpoints and `*.jsonl` step logs."""
 
 
