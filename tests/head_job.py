@@ -135,7 +135,7 @@ def watch_job(work: Path, overrides: list[str], export_interval_ms: int = 1000, 
             url = stack.enter_context(prometheus(sd_file, work / "prometheus"))
         client = JobSubmissionClient(f"http://127.0.0.1:{head['dashboard']}")
         start = time.time()
-        job = submit(client, entrypoint)
+        job = submit(client, entrypoint, wait_s=600)  # a loaded machine registers the agent late
         reads, deadline = [], time.time() + timeout_s
         while (status := client.get_job_status(job)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
             assert time.time() < deadline, f"job still {status}:\n{client.get_job_logs(job)[-3000:]}"
