@@ -144,8 +144,9 @@ def watch_job(work: Path, overrides: list[str], export_interval_ms: int = 1000, 
             time.sleep(1)
         logs = client.get_job_logs(job)
         metrics = out / "metrics.jsonl"
-        watched = Watched(str(status), logs, out, json.loads(summary_path.read_text()) if summary_path.is_file() else None,
-                          reads, metrics.stat().st_mtime if metrics.is_file() else time.time())
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+        watched = Watched(str(status), logs, out, summary, reads,
+                          metrics.stat().st_mtime if metrics.is_file() else time.time())
         if url is not None:
             time.sleep(2 * SCRAPE_S)  # the last scrapes of the job's window
             watched.panels, watched.raw = collect(url, start, time.time())
