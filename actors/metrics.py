@@ -4,14 +4,26 @@ Each metric is recorded by the process that owns what it measures, once per step
 an engine actor (occupancy, idle share, tokens/s, token counters, policy version) when the driver drains
 its statistics after a rollout, the store actor (its partial groups, its oldest sample) when asked for
 its statistics, the monitor actor (abort latency, off-policy ratio, staleness of the trained batch, engine
-crashes) after each rollout, and the driver (step phase times, reward, held-out accuracy, step). Every Ray
-node serves them on its metrics export port with Ray's `ray_` prefix (`ray_april_engine_occupancy`, ...);
-cluster/grafana/april_dashboard.json charts them (cluster/README.md). `mode` is `april` or `sync`.
+crashes) after each rollout, and the driver's `MetricsActor` (step phase times, reward, held-out accuracy,
+steps): a worker process of the cluster exports at its node's interval, which a driver started from any
+shell need not share. Every Ray node serves them on its metrics export port with Ray's `ray_` prefix
+(`ray_april_engine_occupancy`, ...); cluster/grafana/april_dashboard.json charts them (cluster/README.md).
+`mode` is `april` or `sync`.
+
+Ray's metrics agent drops a gauge value that was not set again within two export intervals
+(`RAY_metrics_report_interval_ms`), and a process exports only the values set since its last export: a
+value set once a step (minutes, on GPUs) would be on the endpoint for seconds. So every gauge here is
+held: `Held` sets its last values again every half export interval for as long as its process lives.
+What happens each step is also counted (steps, phase seconds, tokens; histograms where the distribution
+matters), so Prometheus rebuilds every step from the counters' increases, whatever it missed in between.
+Counters exist at 0 from the start: the first increment is an increase, and "no crash" reads 0.
 """
 from __future__ import annotations
 
+import threading
 import time
 
+import ray
 from ray.util.metrics import Counter, Gauge, Histogram
 
 ABORT_LATENCY_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
@@ -36,21 +48,67 @@ METRICS = {  # name: (kind, tag keys, description)
     "april_store_oldest_age_versions": (Gauge, (), "Policy versions behind the current one, of the oldest token in the store"),
     "april_rollout_off_policy_token_ratio": (Gauge, ("mode",), "Share of the last trained batch's tokens sampled by an older policy"),
     "april_trained_token_staleness_versions": (Histogram, ("mode",), "Trained tokens by age in policy versions: 100 observations a step, each age observed in proportion to its share of the batch's tokens"),
+    "april_rollout_trained_tokens_total": (Counter, ("mode",), "Tokens of the trained batches"),
+    "april_rollout_off_policy_tokens_total": (Counter, ("mode",), "Trained tokens sampled by an older policy"),
     "april_step_phase_seconds": (Gauge, ("phase",), "Seconds of the last step in each phase: rollout, learner, weight_sync, eval"),
+    "april_step_phase_seconds_total": (Counter, ("phase",), "Seconds in each phase over the steps: its increase over a window, divided by april_steps_total's, is the mean step"),
     "april_reward_mean": (Gauge, ("mode",), "Mean reward of the last trained batch"),
     "april_eval_accuracy": (Gauge, ("kind",), "Held-out accuracy of the last evaluation: t1 (temperature 1) or greedy"),
-    "april_step": (Gauge, (), "Training steps completed"),
+    "april_step": (Gauge, (), "Training steps completed (the step index: a resumed job goes on from its checkpoint)"),
+    "april_steps_total": (Counter, (), "Training steps completed by this job since it started"),
 }
 BOUNDARIES = {"april_abort_latency_seconds": ABORT_LATENCY_S,
               "april_trained_token_staleness_versions": STALENESS_VERSIONS}
 
 
-def metric(name: str):
-    """The Ray metric `name` of `METRICS` (each process that records it makes its own)."""
+def metric(name: str, zeros: tuple[dict, ...] = ()):
+    """The Ray metric `name` of `METRICS` (each process that records it makes its own); a gauge is `Held`,
+    and a counter starts at 0 for each tag set of `zeros`."""
     kind, tag_keys, description = METRICS[name]
     if kind is Histogram:
         return Histogram(name, description, boundaries=BOUNDARIES[name], tag_keys=tag_keys)
-    return kind(name, description, tag_keys=tag_keys)
+    if kind is Gauge:
+        return Held(Gauge(name, description, tag_keys=tag_keys))
+    counter = Counter(name, description, tag_keys=tag_keys)
+    for tags in zeros:
+        counter._record(0.0, tags=tags)  # what `inc` records, without its refusal of 0
+    return counter
+
+
+def export_interval_s() -> float:
+    """How often this process exports its metrics: Ray's `metrics_report_interval_ms`, which its emitter
+    raises to 1 s at least (as ray/_private/telemetry/open_telemetry_metric_recorder.py says)."""
+    return max(ray._config.metrics_report_interval_ms(), 1000) / 1000
+
+
+class Held:
+    """A gauge whose last value for each tag set is set again every half export interval, from a daemon
+    thread shared by the process's held gauges, so that every export carries it."""
+
+    _lock = threading.Lock()
+    _values: dict[tuple, tuple] = {}  # (held gauge, tags) -> (gauge, value, tags): the process's last values
+    _thread: threading.Thread | None = None
+
+    def __init__(self, gauge: Gauge):
+        self.gauge = gauge
+
+    def set(self, value: float, tags: dict | None = None) -> None:
+        self.gauge.set(value, tags=tags)
+        with Held._lock:
+            Held._values[(self, tuple(sorted((tags or {}).items())))] = (self.gauge, value, tags)
+            if Held._thread is None:
+                Held._thread = threading.Thread(target=Held._keep, args=(export_interval_s() / 2,), daemon=True,
+                                                name="april-held-gauges")
+                Held._thread.start()
+
+    @staticmethod
+    def _keep(period_s: float) -> None:
+        while True:
+            time.sleep(period_s)
+            with Held._lock:
+                values = list(Held._values.values())
+            for gauge, value, tags in values:
+                gauge.set(value, tags=tags)
 
 
 class EngineMetrics:
@@ -62,7 +120,8 @@ class EngineMetrics:
         self.capacity = capacity
         self.gauges = {k: metric(f"april_engine_{k}") for k in ("occupancy", "bubble_fraction", "tokens_per_s",
                                                                  "weight_version")}
-        self.counters = {k: metric(f"april_engine_{k}_tokens_total") for k in ("prefill", "reused_kv", "generated")}
+        self.counters = {k: metric(f"april_engine_{k}_tokens_total", zeros=(self.tags,))
+                         for k in ("prefill", "reused_kv", "generated")}
         self.counted = {k: 0 for k in self.counters}
         self.window: list[float] | None = None  # [start, end, engine busy_s at start, tokens at start]
 
@@ -134,13 +193,20 @@ class MonitorMetrics:
         self.abort_latency = metric("april_abort_latency_seconds")
         self.off_policy = metric("april_rollout_off_policy_token_ratio")
         self.staleness = metric("april_trained_token_staleness_versions")
-        self.crashes = metric("april_engine_crashes_total")
+        self.trained_tokens = metric("april_rollout_trained_tokens_total", zeros=(self.mode,))
+        self.off_policy_tokens = metric("april_rollout_off_policy_tokens_total", zeros=(self.mode,))
+        self.crashes = metric("april_engine_crashes_total", zeros=tuple({"engine": str(e)} for e in range(num_engines)))
         self.alive = [True] * num_engines
 
     def record(self, metrics: dict, staleness: dict[int, int], alive: list[bool]) -> None:
         if self.aborts:
             self.abort_latency.observe(metrics["rollout/abort_latency_s"], tags=self.mode)
-        self.off_policy.set(metrics["rollout/off_policy_token_ratio"], tags=self.mode)
+        ratio, trained = metrics["rollout/off_policy_token_ratio"], metrics["rollout/trained_tokens"]
+        self.off_policy.set(ratio, tags=self.mode)
+        if trained > 0:
+            self.trained_tokens.inc(trained, tags=self.mode)
+        if round(ratio * trained) > 0:
+            self.off_policy_tokens.inc(round(ratio * trained), tags=self.mode)
         # a fixed number of observations a step, not one per token: the same shape at any batch size
         for age, n in shares(staleness).items():
             for _ in range(n):
@@ -157,25 +223,48 @@ class MonitorMetrics:
         self.alive = list(alive)
 
 
-class DriverMetrics:
-    """The driver's: phase times, reward and step after each step, accuracy after each evaluation."""
+class StepMetrics:
+    """The driver's metrics, in `MetricsActor`: phase times, reward and step after each step, accuracy after
+    each evaluation."""
 
     PHASES = ("rollout", "learner", "weight_sync", "eval")
 
-    def __init__(self, rollout):
-        self.mode = {"mode": rollout.schedule}
+    def __init__(self, schedule: str):
+        self.mode = {"mode": schedule}
         self.phase = metric("april_step_phase_seconds")
+        self.phase_total = metric("april_step_phase_seconds_total", zeros=tuple({"phase": p} for p in self.PHASES))
         self.reward = metric("april_reward_mean")
         self.accuracy = metric("april_eval_accuracy")
         self.step = metric("april_step")
+        self.steps = metric("april_steps_total", zeros=({},))
 
     def record_step(self, steps_done: int, phases: dict[str, float], reward: float) -> None:
         for phase in self.PHASES:  # a phase that did not run this step is 0: the stack is the step's time
             self.phase.set(phases.get(phase, 0.0), tags={"phase": phase})
+            if phases.get(phase, 0.0) > 0:
+                self.phase_total.inc(phases[phase], tags={"phase": phase})
         self.reward.set(reward, tags=self.mode)
         self.step.set(steps_done)
+        self.steps.inc(1)
 
     def record_eval(self, metrics: dict) -> None:
         for kind in ("t1", "greedy"):
             if f"eval/accuracy_{kind}" in metrics:
                 self.accuracy.set(metrics[f"eval/accuracy_{kind}"], tags={"kind": kind})
+
+
+MetricsActor = ray.remote(num_cpus=0)(StepMetrics)
+
+
+class DriverMetrics:
+    """What the driver holds: `record_step` and `record_eval` of `StepMetrics`, sent to its `MetricsActor`
+    without waiting (calls from one caller run in order)."""
+
+    def __init__(self, rollout):
+        self.actor = MetricsActor.remote(rollout.schedule)
+
+    def record_step(self, steps_done: int, phases: dict[str, float], reward: float) -> None:
+        self.actor.record_step.remote(steps_done, dict(phases), reward)
+
+    def record_eval(self, metrics: dict) -> None:
+        self.actor.record_eval.remote({k: v for k, v in metrics.items() if k.startswith("eval/accuracy_")})

@@ -431,6 +431,8 @@ class PlacementConfig:
 class LoggingConfig:
     wandb_mode: str = one_of("offline", "offline", "online", "disabled")
     project: str = "april-ray"
+    tensorboard: bool = False
+    """Also write metrics.jsonl's values as TensorBoard scalars, by step, under `train.output_dir`/tensorboard."""
     dashboard: bool = True
     """A local run (no RAY_ADDRESS) starts Ray's dashboard on 127.0.0.1; a joined cluster keeps its own."""
     dashboard_port: int = non_negative(0)

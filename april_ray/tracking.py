@@ -1,4 +1,6 @@
-"""Metrics out of a job: wandb (offline unless configured), progress on the console, and a JSONL file.
+"""Metrics out of a job: wandb (offline unless configured), progress on the console, a JSONL file, and
+TensorBoard event files with `logging.tensorboard` (`tensorboard --logdir OUTPUT_DIR`; `python -m jobs.plot`
+draws the JSONL file without a server).
 
 Progress is a tqdm bar in a terminal and one plain line per step anywhere else (a Ray job's log, a pipe,
 a file), so a job log holds readable lines, not a stream of carriage returns.
@@ -106,6 +108,12 @@ class Tracker:
             self.run = wandb.init(project=cfg.logging.project, mode=cfg.logging.wandb_mode, dir=str(out_dir),
                                   config=asdict(cfg), id=wandb_run_id(out_dir, resume), resume="allow")
         self.file = open(out_dir / "metrics.jsonl", "a" if resume else "w")  # a fresh run's rows only
+        self.board = None
+        if cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # a resumed run redoes the steps after its checkpoint: their earlier events are purged
+            self.board = SummaryWriter(str(out_dir / "tensorboard"), purge_step=initial_step if resume else None)
         self.bar = progress(total_steps, initial_step)
         self.shown: dict[str, float] = {}
 
@@ -115,6 +123,10 @@ class Tracker:
             self.run.log(metrics, step=step)
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
+        if self.board is not None:
+            for key, value in metrics.items():
+                self.board.add_scalar(key, value, step)
+            self.board.flush()
         for key, short in (("train/reward_mean", "reward"), ("eval/accuracy_t1", "acc"),
                            ("rollout/effective_tok_s", "tok/s"), ("off_policy/token_ratio", "offpol")):
             if key in metrics:
@@ -126,5 +138,7 @@ class Tracker:
     def close(self) -> None:
         self.bar.close()
         self.file.close()
+        if self.board is not None:
+            self.board.close()
         if self.run is not None:
             self.run.finish()

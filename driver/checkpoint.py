@@ -161,7 +161,7 @@ def checked(ckpt: Path, num_steps: int) -> Path:
 
 
 EARLIER_RUNS = "runs"
-RUN_RECORDS = {RUN_FILE, LATEST, "config.yaml", "wandb_run_id", "wandb", "weights"}
+RUN_RECORDS = {RUN_FILE, LATEST, "config.yaml", "wandb_run_id", "wandb", "tensorboard", "weights"}
 """What a run leaves in its output directory besides its checkpoints and `*.jsonl` step logs."""
 
 

@@ -45,14 +45,15 @@ def get(url: str, timeout: float = 5) -> str:
 
 
 @contextlib.contextmanager
-def local_head(log_path: Path, num_cpus: int = 8, up_s: float = 240):
+def local_head(log_path: Path, num_cpus: int = 8, up_s: float = 240, export_interval_ms: int = 1000):
     """`ray start --head --block` on 127.0.0.1 with free ports and its own temp dir, so no other
-    `ray.init()` on the machine finds it; yields {"dashboard": port, "metrics": port}. Leaving stops the
+    `ray.init()` on the machine finds it; yields {"dashboard": port, "metrics": port, "temp_dir": path}
+    (its nodes export their metrics every `export_interval_ms`). Leaving stops the
     command, and Ray's reaper stops what it started: never `ray stop`, which ends every Ray here."""
     gcs, dashboard, metrics, agent, client = free_ports(5)
     temp_dir = tempfile.mkdtemp(prefix="rayjs", dir="/tmp")  # short: Ray's socket paths have a length limit
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-           "RAY_USAGE_STATS_ENABLED": "0", "RAY_metrics_report_interval_ms": "1000",
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_metrics_report_interval_ms": str(export_interval_ms),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)
     cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
@@ -73,7 +74,7 @@ def local_head(log_path: Path, num_cpus: int = 8, up_s: float = 240):
                     if time.time() > deadline:
                         raise RuntimeError(f"the dashboard did not answer within {up_s:.0f}s") from None
                     time.sleep(1)
-            yield {"dashboard": dashboard, "metrics": metrics}
+            yield {"dashboard": dashboard, "metrics": metrics, "temp_dir": temp_dir}
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

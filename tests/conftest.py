@@ -97,3 +97,21 @@ def http_run(tmp_path_factory, random_model_dir):
     cmd, address = on_lan_hostname(train_command("configs/tiny_cpu_http.yaml", random_model_dir, tmp, *SMALL,
                                                  "train.num_steps=3", "train.eval_every=2", "train.save_every=3"), tmp)
     return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""}, hostname_address=address)
+
+
+@pytest.fixture(scope="session")
+def watched_job(tmp_path_factory, random_model_dir):
+    """tiny_cpu.yaml on the random tiny model, four steps submitted to a `ray start --head` that exports its
+    metrics every second, each step paused past two export intervals by a slow reward (no over-sampling, so
+    that no step is served from groups an earlier one finished), watched by its metrics endpoint and
+    (installed) Prometheus, run once: test_job_submit, test_prometheus and test_plot look at it
+    (tests/head_job.py)."""
+    from tests.head_job import watch_job
+
+    work = tmp_path_factory.mktemp("head-job")
+    return watch_job(work, [
+        f"--config configs/tiny_cpu.yaml model.path={random_model_dir} model.cache_dir={work}",
+        "train.num_steps=4 train.eval_every=2 task.num_eval=32",
+        "rollout.rollout_batch_size=4 rollout.over_sampling_batch_size=4 rollout.n_samples_per_prompt=4",
+        "sampling.max_response_len=64 learner.backend=torch logging.wandb_mode=disabled logging.tensorboard=true",
+        "task.reward_fn=tests.slow_reward:countdown_after_a_pause"])

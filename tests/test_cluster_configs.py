@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_YAMLS = ["cluster/h100.yaml", "cluster/mi300x.yaml"]
 GPU_KEYS = {"h100": "nvidia.com/gpu", "mi300x": "amd.com/gpu"}
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+EXPORT_INTERVAL_MS = "5000"  # what cluster/README.md says every node of the cluster files exports at
 
 # The exported metrics (name -> kind); Prometheus shows each with Ray's `ray_` prefix.
 METRICS = {
@@ -28,6 +29,8 @@ METRICS = {
     "april_store_oldest_age_versions": "gauge", "april_rollout_off_policy_token_ratio": "gauge",
     "april_trained_token_staleness_versions": "histogram", "april_step_phase_seconds": "gauge",
     "april_reward_mean": "gauge", "april_eval_accuracy": "gauge", "april_step": "gauge",
+    "april_rollout_trained_tokens_total": "counter", "april_rollout_off_policy_tokens_total": "counter",
+    "april_step_phase_seconds_total": "counter", "april_steps_total": "counter",
 }
 
 
@@ -87,6 +90,9 @@ def test_cluster_yaml_access_metrics_and_shell(path):
     starts = ray_starts(cfg)
     ports = {flag(c, "metrics-export-port") for c in starts}
     assert len(ports) == 1 and None not in ports, f"one fixed metrics port on every node: {starts}"
+    for c in starts:
+        assert f"RAY_metrics_report_interval_ms={EXPORT_INTERVAL_MS} ray start" in c, c
+    assert f"RAY_metrics_report_interval_ms={EXPORT_INTERVAL_MS}" in (ROOT / "cluster/README.md").read_text()
     commands = cfg["setup_commands"] + cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
     for cmd in commands:
         assert not re.search(r"""["']~""", cmd), f"a quoted ~ is not expanded by the shell: {cmd}"
@@ -155,6 +161,9 @@ def check_cluster_spec(spec: dict, gpu: str) -> None:
         port = group["rayStartParams"]["metrics-export-port"]
         declared = {p["name"]: str(p["containerPort"]) for c in containers(group) for p in c.get("ports", [])}
         assert declared.get("metrics") == port, "the metrics port is declared for Prometheus"
+        for c in containers(group):
+            env = {e["name"]: e["value"] for e in c.get("env", [])}
+            assert env.get("RAY_metrics_report_interval_ms") == EXPORT_INTERVAL_MS, c["name"]
         assert group["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "april-ray"
 
 
@@ -239,9 +248,11 @@ def test_grafana_dashboard_layout():
         for t in p["targets"]:
             if re.search(r"ray_april_engine_\w+", t["expr"]):
                 assert "by (engine)" in t["expr"] and "{{engine}}" in t["legendFormat"], t["expr"]
-    (phase,) = [p for p in panels if "ray_april_step_phase_seconds" in str(p["targets"])]
-    assert "by (phase)" in phase["targets"][0]["expr"]
-    assert phase["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    last, mean = [p for p in panels if "ray_april_step_phase_seconds" in str(p["targets"])]
+    for phase in (last, mean):
+        assert "by (phase)" in phase["targets"][0]["expr"]
+        assert phase["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert "increase(ray_april_step_phase_seconds_total" in mean["targets"][0]["expr"]
     (stale,) = [p for p in panels if "ray_april_trained_token_staleness_versions" in str(p["targets"])]
     assert stale["type"] == "heatmap" and stale["targets"][0]["format"] == "heatmap"
     assert "_bucket" in stale["targets"][0]["expr"] and "by (le)" in stale["targets"][0]["expr"]

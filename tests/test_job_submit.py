@@ -1,72 +1,53 @@
 """`ray job submit` end to end, as a user runs it: a head started with `ray start --head` on 127.0.0.1,
-the training job submitted through the job API with the repository as its working_dir, its summary and
-plain-line log, and the `april_` metrics on the node's Prometheus endpoint while it runs."""
+the training job submitted through the job API with the repository as its working_dir (conftest.py's
+`watched_job`), its summary and plain-line log, and the `april_` metrics on the node's Prometheus endpoint,
+read every second while it runs: every metric, and the values that must not vanish at every read."""
 import json
 import re
-import time
 
 import pytest
 
 from actors.metrics import METRICS, shares
 from april_ray.tracking import LineProgress, progress
-from jobs.dashboard_screenshot import get, local_head, submit
-
-# what the acceptance names: occupancy, store age, off-policy ratio and step time
-REQUIRED = {"ray_april_engine_occupancy", "ray_april_store_oldest_age_versions",
-            "ray_april_rollout_off_policy_token_ratio", "ray_april_step_phase_seconds"}
 
 
-def served_april_metrics(port: int) -> set[str]:
-    """Names of the `ray_april_*` series the node's metrics endpoint serves now."""
-    text = get(f"http://127.0.0.1:{port}/metrics")
-    return {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"^(ray_april_\w+)[{ ]", text, re.M)}
-
-
-@pytest.fixture
-def head(tmp_path):
-    """A local head as `ray start --head` makes it, stopped by its own process id afterwards."""
-    with local_head(tmp_path / "ray_start.log") as ports:
-        yield ports
+def names(lines: list[str]) -> set[str]:
+    """The metric names of the endpoint's `ray_april_*` lines."""
+    return {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"^(ray_april_\w+)[{ ]", "\n".join(lines), re.M)}
 
 
 @pytest.mark.slow
-def test_ray_job_submit_runs_training_and_serves_metrics(head, tmp_path):
-    from ray.job_submission import JobStatus, JobSubmissionClient
-
-    summary_path = tmp_path / "summary.json"
-    entrypoint = ("python -m jobs.train --config configs/tiny_cpu.yaml train.num_steps=3 train.eval_every=2 "
-                  "task.num_eval=32 rollout.rollout_batch_size=4 rollout.over_sampling_batch_size=6 "
-                  "rollout.n_samples_per_prompt=4 sampling.max_response_len=64 learner.backend=torch "
-                  "logging.wandb_mode=disabled "
-                  f"train.output_dir={tmp_path}/out --summary {summary_path}")
-    client = JobSubmissionClient(f"http://127.0.0.1:{head['dashboard']}")
-    job = submit(client, entrypoint)  # with the repository as working_dir
-    seen: set[str] = set()
-    deadline = time.time() + 480
-    while (status := client.get_job_status(job)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
-        assert time.time() < deadline, f"job still {status}:\n{client.get_job_logs(job)[-3000:]}"
-        seen |= served_april_metrics(head["metrics"])
-        time.sleep(0.5)
-    logs = client.get_job_logs(job)
-    assert status == JobStatus.SUCCEEDED, logs[-4000:]
-    seen |= served_april_metrics(head["metrics"])
-
-    summary = json.loads(summary_path.read_text())
-    assert summary["steps"] == 3 and summary["final_version"] == 3
+def test_ray_job_submit_runs_training_and_serves_metrics(watched_job):
+    job = watched_job
+    assert job.status == "SUCCEEDED", job.logs[-4000:]
+    summary = job.summary
+    assert summary["steps"] == 4 and summary["final_version"] == 4
     assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
-    assert "\r" not in logs, "a progress bar's carriage returns in the job log"
-    assert re.search(r"^april-ray step 3/3 \[\d+s\] .*reward=", logs, re.M), logs[-2000:]
-    assert REQUIRED <= seen, f"missing on the metrics endpoint: {REQUIRED - seen}; seen {sorted(seen)}"
-    # and every other one, but the crash counter (no engine died; a counter never incremented has no
-    # series). The reused-cache counter is required once a resumed sample found its parked cache before the
-    # last step (when, in three steps, is down to timing; one first incremented in the last step may not
-    # have been exported before the job's actors ended)
-    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "engine/reused_kv_tokens_total" in r]
-    reused_early = len(steps) > 1 and steps[-2]["engine/reused_kv_tokens_total"] > 0
-    expected = {f"ray_{name}" for name in METRICS} - {"ray_april_engine_crashes_total"}
-    optional = set() if reused_early else {"ray_april_engine_reused_kv_tokens_total"}
-    assert expected - optional <= seen <= expected, (sorted(expected - optional - seen), sorted(seen - expected))
+    assert "\r" not in job.logs, "a progress bar's carriage returns in the job log"
+    assert re.search(r"^april-ray step 4/4 \[\d+s\] .*reward=", job.logs, re.M), job.logs[-2000:]
+    seen = set().union(*(names(lines) for _, lines in job.reads))
+    # every metric. The reused-cache counter shows an increase only once a resumed sample found its parked
+    # cache; it is there at 0 from the engine's start
+    expected = {f"ray_{name}" for name in METRICS}
+    assert expected == seen, (sorted(expected - seen), sorted(seen - expected))
+
+
+@pytest.mark.slow
+def test_accuracy_and_crashes_at_every_read_of_the_endpoint(watched_job):
+    """Held-out accuracy at every read from the first evaluation (before training) on, though evaluations
+    are steps apart and every step lasts over two export intervals; the crash counter, at 0, from before the
+    first step ends. Up to the job's last row: the job ends after it, and its values with it."""
+    reads = [(t, names(lines)) for t, lines in watched_job.reads if t <= watched_job.last_row_t]
+    first_acc = next(i for i, (_, n) in enumerate(reads) if "ray_april_eval_accuracy" in n)
+    missing = [round(t - reads[first_acc][0], 1) for t, n in reads[first_acc:] if "ray_april_eval_accuracy" not in n]
+    assert not missing, f"accuracy absent at {len(missing)} of {len(reads) - first_acc} reads, at +{missing} s"
+    first_step = next(i for i, (_, n) in enumerate(reads) if "ray_april_step" in n)
+    first_crash = next(i for i, (_, n) in enumerate(reads) if "ray_april_engine_crashes_total" in n)
+    assert first_crash <= first_step, "the crash counter appeared only after the first step"
+    assert all("ray_april_engine_crashes_total" in n for _, n in reads[first_crash:])
+    last = [lines for t, lines in watched_job.reads if t <= watched_job.last_row_t][-1]
+    crash_lines = [line for line in last if line.startswith("ray_april_engine_crashes_total")]
+    assert crash_lines and all(line.endswith(" 0.0") for line in crash_lines), crash_lines
 
 
 def test_staleness_shares_sum_to_the_units():
