@@ -1,6 +1,5 @@
 """The chaos job: its accounting check on hand-made records, and a short run with engine kills on a local Ray."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -3,7 +3,6 @@ exactly-once checked from the final checkpoint and the job's records, and no pro
 left behind."""
 import argparse
 import json
-import os
 from pathlib import Path
 
 import pytest

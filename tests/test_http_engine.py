@@ -5,7 +5,6 @@ import asyncio
 import base64
 import os
 import pickle
-import time
 
 import pytest
 import torch
@@ -288,15 +287,15 @@ def test_non_finite_weights_are_refused_by_name_and_the_served_ones_stay(weights
     async def main(c):
         before = await greedy_outputs(c, prompts, 12)
         if how == "broadcast":
-            sender = weight_sync.BroadcastSender("127.0.0.1", "gloo", bucket_mb=1024, timeout_s=60)
+            sender = BroadcastGroup("127.0.0.1", "gloo", bucket_mb=1024, timeout_s=60)
             assert await sender.send([c], named, 41, flush_cache=True) == []  # refused at both attempts
             await sender.close()
         else:
             with pytest.raises(BadRequestError, match="NaN or infinite") as refused:
                 if how == "tensor":
-                    await weight_sync.send_tensors(c, named, 41, flush_cache=True, bucket_mb=1024)
+                    await send_tensors(c, named, 41, flush_cache=True, bucket_mb=1024)
                 else:
-                    weight_sync.save_for_disk_update(named, str(tmp_path / "w"), str(model.name_or_path))
+                    save_for_disk_update(named, str(tmp_path / "w"), str(model.name_or_path))
                     await c.update_weights_from_disk(str(tmp_path / "w"), flush_cache=True, weight_version=41)
             assert "model.norm.weight" in str(refused.value) and "up_proj.weight" in str(refused.value)
         return before, await greedy_outputs(c, prompts, 12), await c.model_info()

@@ -2,7 +2,6 @@
 the training job submitted through the job API with the repository as its working_dir (conftest.py's
 `watched_job`), its summary and plain-line log, and the `april_` metrics on the node's Prometheus endpoint,
 read every second while it runs: every metric, and the values that must not vanish at every read."""
-import json
 import re
 
 import pytest

@@ -46,8 +46,8 @@ def test_chunked_logprobs_match_the_plain_path_in_values_and_gradients(chunk_tok
     chunked = selected_logprobs(model, layout, temperature, num_chunks(len(layout.src), chunk_tokens))
     grads = loss_and_grads(model, chunked, positions)
     torch.testing.assert_close(chunked * positions, plain * positions, rtol=1e-5, atol=1e-5)
-    for name, g in want_grads.items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6)
+    for name, g in want_grads.items():  # float32 sums in another order (chunks, threads): 1.7e-6 apart seen
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5)
 
 
 def test_packed_layout_with_activation_checkpointing_matches_padded_rows():

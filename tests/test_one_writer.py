@@ -166,7 +166,7 @@ def test_a_run_file_naming_another_run_is_refused_and_the_earlier_run_is_byte_id
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and re.match(rf"error: train\.resume: another run's checkpoints are in {out}; "
-                                        rf"ckpt-\d+(, ckpt-\d+)*: belongs to run {contested[1]['run']}, not to run "
+                                        rf"ckpt-\d+(, ckpt-\d+)*( and \d+ more)?: belongs to run {contested[1]['run']}, not to run "
                                         rf"another that {out}/run names\. Nothing was changed", lines[0]), proc.stderr
     assert "train.start_over=true" in lines[0] and "Started a local Ray instance" not in proc.stdout + proc.stderr
     assert files_of(out) == before

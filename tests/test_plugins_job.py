@@ -1,7 +1,6 @@
 """Plug-in contracts end to end: the training job with a reward function and a dataset defined outside the
 repository, by path (`PYTHONPATH=DIR python -m jobs.train ... task.reward_fn=mymod:score`)."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
