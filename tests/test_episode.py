@@ -6,7 +6,7 @@ import json
 import pytest
 
 from april_ray.rollout.engine_worker import EngineWorker
-from april_ray.rollout.episode import ToolJournal
+from april_ray.rollout.episode import Episode, ToolJournal
 from april_ray.rollout.store import sample_from_json, sample_to_json
 from april_ray.task.rewards import RewardRunner
 from april_ray.task import lookup_countdown
@@ -403,3 +403,48 @@ def test_an_episode_that_returns_no_number_scores_zero_and_is_counted():
     worker.episode_fn = says_yes
     [_], [s] = asyncio.run(worker.generate_group([fresh("ab-1:")], ("run", 0)))
     assert s.reward == 0.0 and worker.reward.errors == 1
+
+
+async def rewarded_turns(ep):
+    """The lookup episode, with 0.25 for each turn that ends in a tool call (set again, not added, when a
+    resumed episode replays the code of its turn)."""
+    keys, step = ep.prompt.rstrip(":").rsplit("-", 1)
+    keys = keys.split(",")
+    while True:
+        text = await ep.generate(stop=("?",))
+        if not text.endswith("?") or ep.turn > len(keys):
+            return None
+        key = keys[ep.turn - 1]
+        value = await ep.call_tool("lookup", lookup_countdown.lookup, ep.sample.sample_id, ep.turn, key)
+        ep.reward_turn(0.25)
+        ep.reward_turn(0.25)  # the same turn: replaces
+        ep.append_env(lookup_countdown.answer(key, value, int(step)))
+
+
+@pytest.mark.parametrize("abort_after_s", [None, 0.01, 0.03])
+def test_turn_rewards_survive_an_interruption_and_add_to_the_reward_in_training_only(tool_log, abort_after_s):
+    journal = ToolJournal()
+    engine, worker = make_worker(journal)
+    worker.episode_fn = rewarded_turns
+    sample = fresh()
+    if abort_after_s is not None:
+        async def abort_mid_episode():
+            call = asyncio.ensure_future(worker.generate_group([sample], ("run", 1)))
+            await asyncio.sleep(abort_after_s)
+            worker.abort_all(("run", 1))
+            engine.abort_all()
+            return await call
+
+        [_], [part] = asyncio.run(abort_mid_episode())
+        sample = sample_from_json(json.loads(json.dumps(sample_to_json(part))), "store")
+        _, worker = make_worker(journal)
+        worker.episode_fn = rewarded_turns
+    [meta], [done] = asyncio.run(worker.generate_group([sample], ("run", 2)))
+    assert done.episode["turn_rewards"] == {"1": 0.25, "2": 0.25, "3": 0.25}  # three tool calls
+    assert done.reward == meta.reward == 1.0 + 0.75  # the task's exact match, then the turns'
+    [(reward, _)] = asyncio.run(worker.evaluate([("ab,qd,zz-2:", TOK.encode("ab,qd,zz-2:"), "", {})], 1.0, "eval"))
+    assert reward == 1.0  # held-out accuracy scores the answer alone
+    handle = Episode(worker.episodes, fresh(), ("run", 3), "")
+    for bad in (float("nan"), "0.5", True):
+        with pytest.raises(ValueError, match="reward_turn of e0p0s0: .*not a finite real number"):
+            handle.reward_turn(bad)

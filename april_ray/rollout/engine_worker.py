@@ -44,7 +44,7 @@ from april_ray.config import EngineConfig, RolloutConfig, SamplingConfig, Stalen
 from april_ray.engine.probe import saturated_throughput
 from april_ray.plugins import load_object
 from april_ray.rollout.episode import (Episode, EpisodeContext, EvaluationJournal, Interrupted, ToolJournal,
-                                      ToolStats)
+                                      ToolStats, with_turn_rewards)
 from april_ray.task.evaluate import EvalItem
 from april_ray.task.rewards import RewardRunner, reward_value
 from april_ray.types import FinishReason, GenerateRequest, Sample, SampleMeta, SampleState, SamplingParams
@@ -123,8 +123,8 @@ class EngineWorker:
         self.episodes = EpisodeContext(self.engine, encode or self.encode, self.decode, self.sampling, max_model_len,
                                        journal, self.closed_steps, tool_timeout_s, max_turns, max_env_tokens)
 
-    async def run_episode(self, sample: Sample, step, tag: str, ctx: EpisodeContext | None = None
-                          ) -> tuple[SampleMeta, Sample]:
+    async def run_episode(self, sample: Sample, step, tag: str, ctx: EpisodeContext | None = None,
+                          turn_rewards: bool = True) -> tuple[SampleMeta, Sample]:
         """The sample's episode, from where it stands to its end (rewarded) or to the step's abort (PARTIAL).
         An episode that raises is finished unscored, its error (the traceback) in its episode record; one
         that returns something other than None or a real number scores 0, counted with the reward errors
@@ -152,6 +152,7 @@ class EngineWorker:
             reward, why = await self.reward.score(done.prompt, self.decode(done.response_ids), done.answer,
                                                   done.metadata)
             done = dataclasses.replace(done, reward=reward)
+        done = with_turn_rewards(done) if turn_rewards else done  # training's shaping, not evaluation's score
         return dataclasses.replace(sample_meta(done, ep.num_new_tokens), reward_error=why), done
 
     async def generate_group(self, samples: list[Sample], step, context: list[Sample] = ()
@@ -171,6 +172,7 @@ class EngineWorker:
         if self.reward_per_group and all(s.state == SampleState.FINISHED for s in samples):
             unscored = [s.reward is None for s in [*samples, *context]]  # what the group function scores
             group, why = await self.reward_group([*samples, *context])
+            group = [with_turn_rewards(s) if new else s for s, new in zip(group, unscored)]
             metas += [sample_meta(s, 0) for s in group[len(samples):]]
             return [dataclasses.replace(m, reward=s.reward, reward_error=why if new else m.reward_error)
                     for m, s, new in zip(metas, group, unscored)], group
@@ -237,7 +239,7 @@ class EngineWorker:
         ctx = dataclasses.replace(self.episodes, sampling=sampling, journal=EvaluationJournal(self.episodes.journal),
                                   closed_steps=())
         sample = Sample(rid, rid, prompt, answer, ids, sampling.max_new_tokens, metadata=metadata)
-        meta, done = await self.run_episode(sample, None, "", ctx)
+        meta, done = await self.run_episode(sample, None, "", ctx, turn_rewards=False)
         if meta.error:  # held-out accuracy counts it as a wrong answer; the error is logged
             self.reward.failed(prompt, f"evaluation episode raised: {meta.error.strip().splitlines()[-1]}")
         if done.reward is None:

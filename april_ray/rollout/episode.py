@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from april_ray.plugins import in_thread, is_async, takes_keyword
+from april_ray.task.rewards import reward_value
 from april_ray.types import FinishReason, GenerateRequest, Sample, SampleState, SamplingParams
 
 
@@ -176,6 +177,23 @@ class Episode:
     def prompt(self) -> str:
         return self.sample.prompt
 
+    def reward_turn(self, value: float) -> None:
+        """The reward of the current turn (`turn`: a tool call that succeeded, a format kept). It is kept in
+        the episode's record, so it survives interruptions, and added to the sample's reward when the
+        episode ends in training, whatever scores the rest (its return, the task's reward, the group
+        function); held-out evaluation scores without it. One per turn: a second call in the same turn
+        (code run again after a resume) replaces the first."""
+        try:
+            value = reward_value(value)
+        except ValueError as e:
+            raise ValueError(f"reward_turn of {self.sample.sample_id}: {e}") from None
+        self._record(turn_rewards=self.turn_rewards | {str(self.turn): value})
+
+    @property
+    def turn_rewards(self) -> dict[str, float]:
+        """Each rewarded turn's reward so far, by turn (as a string: the record is JSON)."""
+        return dict(self.sample.episode.get("turn_rewards", {}))
+
     @property
     def metadata(self) -> dict:
         return self.sample.metadata
@@ -277,6 +295,14 @@ class Episode:
         except (TypeError, ValueError) as e:
             raise TypeError(f"episode state of {self.sample.sample_id}: not JSON values ({e})") from None
         self.sample = dataclasses.replace(self.sample, episode=self.sample.episode | changes | {"state": state})
+
+
+def with_turn_rewards(sample: Sample) -> Sample:
+    """The sample with its episode's turn rewards added to its reward (once scored)."""
+    turns = (sample.episode or {}).get("turn_rewards")
+    if not turns or sample.reward is None:
+        return sample
+    return dataclasses.replace(sample, reward=sample.reward + sum(turns.values()))
 
 
 async def run_tool(fn, args: tuple, kwargs: dict, timeout_s: float, name: str):
