@@ -27,7 +27,9 @@ def listeners(root: psutil.Process) -> list[tuple[str, str, int]]:
     out = []
     for p in [root, *root.children(recursive=True)]:
         try:
-            name, conns = p.name(), p.net_connections(kind="inet")
+            title = p.cmdline()[:1]  # a Ray worker: "ray::LearnerActor.train", though its comm may read "python"
+            name = title[0] if title and title[0].startswith("ray::") else p.name()
+            conns = p.net_connections(kind="inet")
         except psutil.Error:
             continue
         out += [(name, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
