@@ -61,8 +61,8 @@ def on_lan_hostname(cmd: list[str], tmp_path: Path) -> tuple[list[str], str | No
     hosts = tmp_path / "hosts"
     hosts.write_text(f"127.0.0.1 localhost\n::1 localhost\n{address} {socket.gethostname()}\n")
     wrap = ["unshare", "-m", "sh", "-c", f"mount --bind {hosts} /etc/hosts && exec \"$@\"", "sh"]
-    probe = subprocess.run([*wrap, sys.executable, "-c", "import socket; print(socket.gethostbyname(socket.gethostname()))"],
-                           capture_output=True, text=True, timeout=60)
+    resolve = "import socket; print(socket.gethostbyname(socket.gethostname()))"
+    probe = subprocess.run([*wrap, sys.executable, "-c", resolve], capture_output=True, text=True, timeout=60)
     if probe.returncode != 0 or probe.stdout.strip() != address:
         return cmd, None
     return [*wrap, *cmd], address
