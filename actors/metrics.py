@@ -54,6 +54,7 @@ METRICS = {  # name: (kind, tag keys, description)
     "april_step_phase_seconds_total": (Counter, ("phase",), "Seconds in each phase over the steps: its increase over a window, divided by april_steps_total's, is the mean step"),
     "april_reward_mean": (Gauge, ("mode",), "Mean reward of the last trained batch"),
     "april_eval_accuracy": (Gauge, ("kind",), "Held-out accuracy of the last evaluation: t1 (temperature 1) or greedy"),
+    "april_idle_fraction": (Gauge, ("role",), "Idle share of the job's wall time so far: engines (1 - busy seconds / engines x wall) or learner (1 - training and weight-sending seconds / wall)"),
     "april_step": (Gauge, (), "Training steps completed (the step index: a resumed job goes on from its checkpoint)"),
     "april_steps_total": (Counter, (), "Training steps completed by this job since it started"),
 }
@@ -234,16 +235,20 @@ class StepMetrics:
         self.phase = metric("april_step_phase_seconds")
         self.phase_total = metric("april_step_phase_seconds_total", zeros=tuple({"phase": p} for p in self.PHASES))
         self.reward = metric("april_reward_mean")
+        self.idle = metric("april_idle_fraction")
         self.accuracy = metric("april_eval_accuracy")
         self.step = metric("april_step")
         self.steps = metric("april_steps_total", zeros=({},))
 
-    def record_step(self, steps_done: int, phases: dict[str, float], reward: float) -> None:
+    def record_step(self, steps_done: int, phases: dict[str, float], metrics: dict[str, float]) -> None:
+        """`metrics`: the step's row (its reward and the job's idle shares are exported)."""
         for phase in self.PHASES:  # a phase that did not run this step is 0: the stack is the step's time
             self.phase.set(phases.get(phase, 0.0), tags={"phase": phase})
             if phases.get(phase, 0.0) > 0:
                 self.phase_total.inc(phases[phase], tags={"phase": phase})
-        self.reward.set(reward, tags=self.mode)
+        self.reward.set(metrics["rollout/reward_mean"], tags=self.mode)
+        for role in ("engine", "learner"):
+            self.idle.set(metrics[f"job/{role}_idle_fraction"], tags={"role": role})
         self.step.set(steps_done)
         self.steps.inc(1)
 
@@ -263,8 +268,9 @@ class DriverMetrics:
     def __init__(self, rollout):
         self.actor = MetricsActor.remote(rollout.schedule)
 
-    def record_step(self, steps_done: int, phases: dict[str, float], reward: float) -> None:
-        self.actor.record_step.remote(steps_done, dict(phases), reward)
+    def record_step(self, steps_done: int, phases: dict[str, float], metrics: dict[str, float]) -> None:
+        keep = ("rollout/reward_mean", "job/engine_idle_fraction", "job/learner_idle_fraction")
+        self.actor.record_step.remote(steps_done, dict(phases), {k: metrics[k] for k in keep})
 
     def record_eval(self, metrics: dict) -> None:
         self.actor.record_eval.remote({k: v for k, v in metrics.items() if k.startswith("eval/accuracy_")})

@@ -60,8 +60,8 @@ class CompletionMonitorActor:
         self.monitor = CompletionMonitor(cfg, pool, RayProxy(source), RayProxy(store), staleness)
         self.metrics = MonitorMetrics(cfg, len(engines))
 
-    async def step(self, step: int, version: int):
-        result = await self.monitor.step(step, version)
+    async def step(self, step: int, version: int, keep_running: bool = False):
+        result = await self.monitor.step(step, version, keep_running)
         self.metrics.record(result.metrics, result.staleness, self.monitor.alive)
         return result
 

@@ -369,6 +369,12 @@ class TrainConfig:
     output_dir: str = "outputs/train"
     eval_greedy: bool = True
     """Also evaluate greedily (temperature 0) on the held-out prompts."""
+    overlap: bool = False
+    """The overlapped mode: the engines never stop. The next batch's rollout runs while the learner trains on
+    this one, its unfinished groups go on generating across steps, and new weights reach the engines in
+    flight (a sample's tokens may span versions; each keeps its own). Needs rollout.schedule=april, engines
+    apart from the learner (placement.colocate=false) and staleness.max_versions >= 1. The step before each
+    checkpoint and the last step drain the rollout as a synchronous step does."""
     seed: int = 0
     """The run's seed: offsets the learner's (mini-batch order, torch) and the prompt order's seeds; the task's
     data stays task.seed's and the engines sample with engine.seed (jobs.bench.train sets both per seed)."""
@@ -472,6 +478,23 @@ def _check_across(cfg: Config) -> None:
     _check_task(cfg)
     _check_engines(cfg)
     _check_learner_and_rollout(cfg)
+    _check_overlap(cfg)
+
+
+def _check_overlap(cfg: Config) -> None:
+    """What the overlapped mode needs: the learner's GPUs apart from the engines', the APRIL schedule, and
+    room in the staleness bound for the tokens sampled before an update that lands mid-sample."""
+    if not cfg.train.overlap:
+        return
+    if cfg.placement.colocate:
+        raise ConfigError("train.overlap: a colocated layout (placement.colocate=true) trains on the engines' "
+                          "devices, so the two cannot run at once; set placement.colocate=false or train.overlap=false")
+    if cfg.rollout.schedule != "april":
+        raise ConfigError(f"train.overlap: keeps APRIL's unfinished groups running across steps; needs "
+                          f"rollout.schedule=april, got {cfg.rollout.schedule}")
+    if cfg.staleness.max_versions < 1 and cfg.staleness.policy != "keep":
+        raise ConfigError("staleness.max_versions: the overlapped mode (train.overlap=true) trains tokens sampled "
+                          "one version before the learner's; needs staleness.max_versions >= 1")
 
 
 def _check_task(cfg: Config) -> None:

@@ -249,6 +249,9 @@ class StepResult:
     episode_errors: dict[str, str] = field(default_factory=dict)
     """Sample id -> the last line of its episode's error, for the samples of the groups dropped as
     `episode_error` this step."""
+    running: list[str] = field(default_factory=list)
+    """Ids of the groups the step left generating on the engines (the overlapped mode): taken, neither
+    returned nor stored; the next step goes on with them."""
 
 
 @dataclass(frozen=True, slots=True)

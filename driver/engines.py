@@ -221,9 +221,9 @@ class EngineGroup:
         self.stats_skipped += sum(isinstance(st, Exception) for st in stats)
         return [None if isinstance(st, Exception) else st for st in stats]
 
-    def occupancy_metrics(self) -> dict[str, float]:
-        """Running-batch occupancy since the last call (mean over decode steps, as a fraction of the cap)."""
-        stats = self.stats(drain=True)
+    def occupancy_metrics(self, stats: list) -> dict[str, float]:
+        """From the engines' `stats()`: running-batch occupancy since they were last drained (mean over decode
+        steps, as a fraction of the cap), their counters, and the tool calls of their episodes."""
         stats, caps = [st for st in stats if st is not None], [c for st, c in zip(stats, self.capacities) if st]
         if not stats:
             return {"engine/stats_skipped": self.stats_skipped, "engine/restarts": self.restarts}

@@ -69,8 +69,10 @@ class Evaluator:
         raise RuntimeError(f"evaluation: shards {sorted(set(shards) - set(results))} failed on {attempt + 1} tries "
                            "(their engines died, and not enough came back with the current weights)")
 
-    def run(self) -> dict[str, float]:
-        out = {"eval/accuracy_t1": self.accuracy(1.0)}
+    def run(self, version: int) -> dict[str, float]:
+        """Every evaluation, of the weights of policy `version` (`eval/version`): the driver publishes none
+        while one runs, also in the overlapped mode, where the rollout shares the engines meanwhile."""
+        out = {"eval/version": version, "eval/accuracy_t1": self.accuracy(1.0)}
         if self.greedy:
             out["eval/accuracy_greedy"] = self.accuracy(0.0)
         n = self.eval.n_samples_per_prompt

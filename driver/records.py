@@ -6,7 +6,8 @@ dropped with the reason (or as `episode_error`, each raising sample's error in `
 the over-provisioned baseline discarded, the trained tokens by age, and the engine crashes the monitor saw.
 A last row, `"end": true`, holds the prompt source's cursor and the ids of the groups left in the store.
 Together they account for every group taken from the source: returned, dropped, discarded or stored
-(`check_records`, which the chaos job runs).
+(`check_records`, which the chaos job runs). A step of the overlapped mode also names the groups it left
+running on the engines; the last step leaves none.
 """
 from __future__ import annotations
 
@@ -50,6 +51,29 @@ class PhaseClock:
         return {f"time/{phase}_s": seconds for phase, seconds in self.step.items()}
 
 
+class IdleShares:
+    """The engines' and the learner's idle shares of the job's wall time so far: 1 - busy seconds / (wall
+    seconds, times the engines). An engine's busy seconds are its own count of time spent stepping a
+    non-empty batch, which a restarted engine starts again from zero; the learner is busy training and
+    sending weights (the driver's `learner` and `weight_sync` phases)."""
+
+    def __init__(self, engine_busy_s: list[float | None]):
+        self.t0 = time.perf_counter()
+        self.last = list(engine_busy_s)
+        self.engine_busy_s = 0.0
+
+    def metrics(self, engine_busy_s: list[float | None], phase_totals: dict[str, float]) -> dict[str, float]:
+        for e, busy in enumerate(engine_busy_s):
+            if busy is not None:  # None: down now; its seconds are counted once it answers
+                last = self.last[e]
+                self.engine_busy_s += busy - last if last is not None and busy >= last else busy
+                self.last[e] = busy
+        wall = max(1e-9, time.perf_counter() - self.t0)
+        learner = phase_totals.get("learner", 0.0) + phase_totals.get("weight_sync", 0.0)
+        return {"job/engine_idle_fraction": max(0.0, 1.0 - self.engine_busy_s / (wall * len(self.last))),
+                "job/learner_idle_fraction": max(0.0, 1.0 - learner / wall)}
+
+
 class GroupLog:
     def __init__(self, out_dir: Path, staleness: StalenessConfig, fresh: bool = True):
         """`fresh`: a new run starts a new file; a resumed one appends (after the resume truncated it)."""
@@ -66,6 +90,7 @@ class GroupLog:
             "dropped": dict(batch.dropped),
             "episode_errors": dict(batch.episode_errors),
             "discarded": list(batch.discarded),
+            "running": list(batch.running),
             "staleness": {str(age): n for age, n in batch.staleness.items()},
             "max_versions": self.staleness.max_versions, "policy": self.staleness.policy,
             "max_trained_staleness": trained_staleness_max(batch.staleness, max_versions=self.staleness.max_versions,

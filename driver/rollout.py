@@ -33,11 +33,20 @@ class RolloutGroup:
                                                  store, reward_per_group=cfg.task.reward_per_group)
         return cls(source, store, monitor, engines)
 
-    def step(self, step: int, version: int, poll_s: float = 1.0):
-        """One rollout step (a `StepResult` of sample refs). Meanwhile the driver waits on the monitor to say
-        an engine was lost; while any is, it tries every `poll_s` to catch it up once Ray has restarted it,
-        and hands it back, so a step goes on (or, with every engine dead, resumes) without waiting for its end."""
-        ref = self.monitor.step.remote(step, version)
+    def step(self, step: int, version: int, keep_running: bool = False):
+        """One rollout step, started and waited for: a `StepResult` of sample refs."""
+        return self.result(self.begin(step, version, keep_running))
+
+    def begin(self, step: int, version: int, keep_running: bool = False):
+        """Start a rollout step whose batch is trained at `version` (the overlapped mode starts the next one
+        while the learner trains); `keep_running` leaves its unfinished groups generating after it returns."""
+        return self.monitor.step.remote(step, version, keep_running), step
+
+    def result(self, started, poll_s: float = 1.0):
+        """The started step's `StepResult`. Meanwhile the driver waits on the monitor to say an engine was
+        lost; while any is, it tries every `poll_s` to catch it up once Ray has restarted it, and hands it
+        back, so a step goes on (or, with every engine dead, resumes) without waiting for its end."""
+        ref, step = started
         while not ray.wait([ref], timeout=0)[0]:
             dead = ray.get(self.monitor.dead_engines.remote([], step))  # returns at a death, or the step's end
             back = self.engines.catch_up(dead, wait_s=poll_s) if dead else []

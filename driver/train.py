@@ -5,7 +5,9 @@ refs; the learner ranks fetch their shares and take one optimiser step; the new 
 once and every engine adopts them under the next policy version. Held-out accuracy is evaluated before
 training, every `train.eval_every` steps and after the last step (once: a last step that evaluated
 already has); checkpoints every `train.save_every` steps.
-An engine that dies is restarted and caught up while the step goes on (driver/rollout.py); a learner rank
+With train.overlap the engines never stop: the next step's rollout starts before this step's batch
+trains, and its weights reach the engines in flight; the step before a checkpoint and the last one drain
+the rollout (`overlaps`). An engine that dies is restarted and caught up while the step goes on (driver/rollout.py); a learner rank
 that dies stops the job with the checkpoint to resume from. `groups.jsonl` records where every group went.
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ from driver.cluster import init_ray
 from driver.engines import EngineGroup
 from driver.evaluator import Evaluator
 from driver.learners import LearnerGroup, stop_if_a_rank_dies
-from driver.records import GroupLog, PhaseClock, staleness_metrics
+from driver.records import GroupLog, IdleShares, PhaseClock, staleness_metrics
 from driver.rollout import RolloutGroup
 from driver.output_dir import OutputLock
 from driver.setup import open_output
@@ -34,7 +36,7 @@ def train(cfg) -> dict:
     """Run the job; returns the summary, with `history`: (training wall seconds, held-out accuracy)."""
     run = start_run(cfg)  # actors up; a resumed run restores its newest checkpoint
     engines, rollout, learners, evaluator, out = run.engines, run.rollout, run.learners, run.evaluator, run.out
-    before = evaluator.run()
+    before = evaluator.run(run.version)
     exported = DriverMetrics(cfg.rollout)  # Ray's metrics (actors/metrics.py)
     exported.record_eval(before)
     tracker = Tracker(cfg, out, cfg.train.num_steps, run.start, resume=run.resumed)
@@ -44,40 +46,46 @@ def train(cfg) -> dict:
     train_s, history = 0.0, [(0.0, before["eval/accuracy_t1"])]  # training time excludes evaluation
     clock = PhaseClock()  # seconds per phase of each step, and over the run
 
-    step, version, evaluated = run.start - 1, run.version, None
+    idle = IdleShares(busy_seconds(engines.stats(drain=False)))
+    step, version, evaluated, upcoming = run.start - 1, run.version, None, None
     for step in range(run.start, cfg.train.num_steps):
         clock.start()
         evaluated = None  # this step's held-out metrics, when it evaluates
-        batch = rollout.step(step, version)                              # APRIL rollout, refs only
-        metrics = batch.metrics | staleness_metrics(batch.staleness, cfg.staleness)
-        metrics |= engines.occupancy_metrics()
+        keeps_running = overlaps(cfg.train, step)
+        batch = rollout.result(upcoming or rollout.begin(step, version, keeps_running))  # APRIL rollout, refs only
         clock.mark("rollout")
+        # overlapped: the next batch's rollout goes on while this one trains (trained at the next version)
+        upcoming = rollout.begin(step + 1, version + 1, overlaps(cfg.train, step + 1)) if keeps_running else None
+        stats = engines.stats()
+        metrics = batch.metrics | staleness_metrics(batch.staleness, cfg.staleness) | engines.occupancy_metrics(stats)
         with stop_if_a_rank_dies(out, step):
             metrics |= learners.train(batch.groups, version)             # ranks fetch their own shares
             clock.mark("learner")
             version += 1
-            learners.publish(engines, version)                            # engines adopt the new weights
+            learners.publish(engines, version)  # engines adopt the new weights (overlapped: in flight)
             clock.mark("weight_sync")
         records.step(step, version - 1, batch)
         train_s += sum(clock.step.values())
         if (step + 1) % cfg.train.eval_every == 0:
-            evaluated = evaluator.run()
+            evaluated = evaluator.run(version)
             metrics |= evaluated
             clock.mark("eval")
             exported.record_eval(metrics)
             history.append((train_s, metrics["eval/accuracy_t1"]))
-        exported.record_step(step + 1, clock.step, metrics["rollout/reward_mean"])
         metrics |= clock.metrics() | ray.get(rollout.store.stats.remote(version))
+        metrics |= idle.metrics(busy_seconds(engines.stats(drain=False)), clock.totals)
+        exported.record_step(step + 1, clock.step, metrics)
         tracker.log(step, metrics | {"train/version": version, "time/wall_s": time.perf_counter() - t0})
         if (step + 1) % cfg.train.save_every == 0:  # after the step's rows: a resume never lacks them
             save_checkpoint(out, step, version, learners, rollout)
 
     after = evaluated  # the last step's evaluation is of the final weights already
     if after is None:
-        after = evaluator.run()
+        after = evaluator.run(version)
         exported.record_eval(after)
         tracker.log(max(step, 0) + 1, after, advance=False)
         history.append((train_s, after["eval/accuracy_t1"]))
+    idle_shares = idle.metrics(busy_seconds(engines.stats(drain=False)), clock.totals)
     records.end(step, ray.get(rollout.source.state_dict.remote()), ray.get(rollout.store.state_dict.remote()))
     if step >= run.start and (step + 1) % cfg.train.save_every:
         save_checkpoint(out, step, version, learners, rollout)
@@ -88,7 +96,21 @@ def train(cfg) -> dict:
             "accuracy_after_greedy": after.get("eval/accuracy_greedy"),
             "steps": cfg.train.num_steps - run.start, "wall_s": time.perf_counter() - t0,
             "final_version": version, "output_dir": str(out), "train_s": train_s, "history": history,
-            "time_s": {f"{phase}_s": round(t, 3) for phase, t in clock.totals.items()}}
+            "time_s": {f"{phase}_s": round(t, 3) for phase, t in clock.totals.items()},
+            "engine_idle_fraction": idle_shares["job/engine_idle_fraction"],
+            "learner_idle_fraction": idle_shares["job/learner_idle_fraction"]}
+
+
+def overlaps(train, step: int) -> bool:
+    """Whether `step`'s rollout leaves its unfinished groups running into the next one (train.overlap): not
+    on the step before a checkpoint (a checkpoint holds every group taken: returned, dropped or stored),
+    nor on the last."""
+    return train.overlap and (step + 1) % train.save_every != 0 and step < train.num_steps - 1
+
+
+def busy_seconds(stats: list) -> list[float | None]:
+    """Each engine's busy seconds from `EngineGroup.stats`, None for an engine that is down."""
+    return [None if st is None else st.busy_s for st in stats]
 
 
 @dataclasses.dataclass

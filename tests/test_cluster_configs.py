@@ -30,7 +30,7 @@ METRICS = {
     "april_trained_token_staleness_versions": "histogram", "april_step_phase_seconds": "gauge",
     "april_reward_mean": "gauge", "april_eval_accuracy": "gauge", "april_step": "gauge",
     "april_rollout_trained_tokens_total": "counter", "april_rollout_off_policy_tokens_total": "counter",
-    "april_step_phase_seconds_total": "counter", "april_steps_total": "counter",
+    "april_step_phase_seconds_total": "counter", "april_steps_total": "counter", "april_idle_fraction": "gauge",
 }
 
 

@@ -109,8 +109,8 @@ def test_evaluation_sets_from_files_outside_the_repository(tmp_path, monkeypatch
     engines = FakeEngines(3)
     e = evaluator.Evaluator(cfg, engines, str(random_model_dir), str(tmp_path / "heldout.jsonl"))
     assert [item[3] for item in e.sets["deepmath"]] == [{"source": "s"}] * 5
-    out = e.run()
-    assert out["eval/accuracy_t1"] == 1.0 and "eval/accuracy_greedy" not in out
+    out = e.run(3)
+    assert out["eval/accuracy_t1"] == 1.0 and "eval/accuracy_greedy" not in out and out["eval/version"] == 3
     assert out["eval/deepmath/pass@1"] == pytest.approx(3 / 5) and out["eval/deepmath/pass@4"] == pytest.approx(3 / 5)
     assert out["eval/deepmath/response_len"] == pytest.approx(3.0)  # q..qqqqq, 4 times each
     assert sorted(engines.calls[-3:]) == [(6, 0.6, 0.95), (7, 0.6, 0.95), (7, 0.6, 0.95)]  # 20 responses, 3 shards

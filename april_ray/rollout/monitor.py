@@ -6,6 +6,12 @@
     outstanding call resolves (finished, or partial) -> N groups form the batch, surplus complete groups
     and partial groups go to the store.
 
+A step asked to `keep_running` (the overlapped mode, train.overlap) returns its batch at the N-th complete
+group without the interrupt: its other groups go on generating on the engines while the learner trains,
+and the next step continues them (`running`: the same calls, loads and step token), so the engines
+never stop. A step that is not asked to (the synchronous modes, and the overlapped mode's steps before a
+checkpoint and the last one) ends as above, and leaves nothing running.
+
 The synchronous baseline (`rollout.schedule=sync`) is the same loop with N' = N, no top-up and no abort.
 `oversample` over-provisions as slime's rollout does without partial rollout (the APRIL paper's baseline): N' groups start the step, no top-up (but, as sync, a group per one the filter's drops
 leave missing from N), and at the N-th complete group the rest are aborted and discarded, with any
@@ -94,6 +100,8 @@ class CompletionMonitor:
         self.finished_metas: dict[str, SampleMeta] = {}
         """Sample id -> its meta (as of no new tokens), for the same samples: the meta the store hands back
         beside its handle is of the same unchanged sample."""
+        self.running: StepState | None = None
+        """The last step's groups left running on the engines (`keep_running`): the next step goes on with them."""
 
     @staticmethod
     def clock() -> float:
@@ -102,7 +110,11 @@ class CompletionMonitor:
 
     # -- what lives across steps -------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of the monitor (the store and the source keep the rest)."""
+        """What a checkpoint keeps of the monitor (the store and the source keep the rest): taken between
+        steps that left nothing running, so every group taken is returned, dropped or in the store."""
+        if self.running is not None:
+            raise RuntimeError("a checkpoint needs the rollout drained: the last step left groups running "
+                               "(keep_running=False on the step before a checkpoint)")
         return {"returned_groups": self.num_returned_groups, "dropped_groups": self.num_dropped_groups,
                 "over_sampling": self.over_sampling.state_dict(), "reward_per_group": self.pool.reward_per_group}
 
@@ -140,23 +152,30 @@ class CompletionMonitor:
             self._liveness.set()
 
     # -- one step ---------------------------------------------------------------------------------------
-    async def step(self, step: int, version: int) -> StepResult:
+    async def step(self, step: int, version: int, keep_running: bool = False) -> StepResult:
+        """One step's batch, to be trained at policy `version` (the staleness of its tokens is counted
+        against it). `keep_running`: return at the N-th complete group and leave the rest generating."""
         try:
-            return await self._step(step, version)
+            return await self._step(step, version, keep_running)
         finally:
             self.last_step = max(self.last_step, step)
             self._liveness_changed()
 
-    async def _step(self, step: int, version: int) -> StepResult:
+    async def _step(self, step: int, version: int, keep_running: bool) -> StepResult:
         t0 = self.clock()
-        s = StepState(step, version, (self.run_id, step), EngineLoads(self.pool.capacities))
+        if self.running is not None:  # the last step's groups are still on the engines: go on with them
+            s, surplus, self.running = self.running.go_on(step, version, t0), self.running.completed, None
+            for gid in surplus:  # complete after the last batch closed: this step's first
+                self._group_done(s, gid)
+        else:
+            s = StepState(step, version, (self.run_id, step), EngineLoads(self.pool.capacities), started_s=t0)
         for group in await self.store.take_complete():  # surplus of the previous step comes first
             self._register(s, group, dispatch=False)
             self._group_done(s, group.group_id)
         failure = await self._top_up(s)
         s.start_s = self.clock() - t0
         failure = failure or await self._collect(s)
-        if failure is None and s.pending:  # N-th group complete: interrupt the rest
+        if failure is None and s.pending and not keep_running:  # N-th group complete: interrupt the rest
             t_nth = self.clock()
             s.abort_resends = await self._interrupt(s)
             s.abort_latency_s = self.clock() - t_nth
@@ -164,7 +183,7 @@ class CompletionMonitor:
         failure = failure or self._nothing_to_train(s)
         if failure is not None:
             await self._fail(s, failure)
-        return await self._finish(s, t0)
+        return await self._finish(s, t0, keep_running)
 
     async def _collect(self, s: StepState) -> str | None:
         """Results in completion order until N groups are complete; returns why the step cannot finish."""
@@ -302,7 +321,7 @@ class CompletionMonitor:
         for i, handle, meta in zip(indices, call.handles, metas):
             flight.handles[i], flight.metas[i], flight.states[i] = handle, meta, meta.state
             s.generated_tokens += meta.num_new_tokens
-        s.sample_seconds += len(call.indices) * (self.clock() - call.sent_s)
+        s.sample_seconds += len(call.indices) * (self.clock() - max(call.sent_s, s.started_s))
         self.heard_s[call.engine] = self.clock()
         if flight.complete:
             self._group_done(s, call.group_id)
@@ -373,13 +392,14 @@ class CompletionMonitor:
         return resends
 
     # -- the doors out of a step ------------------------------------------------------------------------
-    async def _finish(self, s: StepState, t0: float) -> StepResult:
+    async def _finish(self, s: StepState, t0: float, keep_running: bool) -> StepResult:
         n = self.cfg.rollout_batch_size
         batch, surplus = s.completed[:n], s.completed[n:]
         t_store = self.clock()
         keep = self.cfg.schedule != "oversample"  # the over-provisioned baseline keeps nothing for the next step
         discarded = [] if keep else s.partial_ids() + surplus
-        partial = await self._stash(s, surplus if keep else [], with_partial=keep)
+        running = surplus + s.partial_ids() if keep_running else []
+        partial = [] if keep_running else await self._stash(s, surplus if keep else [], with_partial=keep)
         self.num_returned_groups += len(batch)
         self.num_dropped_groups += len(s.dropped) + len(discarded)
         metas = [list(s.flights[g].metas) for g in batch]
@@ -389,14 +409,18 @@ class CompletionMonitor:
         metrics |= self._over_sampling_metrics(s, staleness, wall)
         self.over_sampling.observe(metrics["rollout/occupancy"], metrics["rollout/masked_token_ratio"])
         metrics |= {"rollout/groups_surplus": len(surplus) if keep else 0, "rollout/groups_partial": len(partial),
-                    "rollout/groups_discarded": len(discarded),
+                    "rollout/groups_running": len(running), "rollout/groups_discarded": len(discarded),
                     "rollout/discarded_tokens": sum(m.response_len for g in discarded for m in s.flights[g].metas if m)}
         if s.sample_seconds:
             self.token_rate = s.generated_tokens / s.sample_seconds
         self._forget((*batch, *s.dropped, *discarded), s)
         errors = {sid: e.strip().splitlines()[-1] for sid, e in s.episode_errors.items()}
-        return StepResult(s.step, [list(s.flights[g].handles) for g in batch], metas, metrics, staleness, batch,
-                          dict(s.dropped), [list(s.flights[g].handles) for g in s.dropped], discarded, errors)
+        result = StepResult(s.step, [list(s.flights[g].handles) for g in batch], metas, metrics, staleness, batch,
+                            dict(s.dropped), [list(s.flights[g].handles) for g in s.dropped], discarded, errors,
+                            running)
+        if keep_running:
+            self.running = s.leaving(batch + list(s.dropped), surplus)
+        return result
 
     @staticmethod
     def _metrics(s: StepState, metas, staleness: dict[int, int], wall: float, store_s: float) -> dict[str, float]:

@@ -166,12 +166,28 @@ class StepState:
     engine_crashes: int = 0
     crash_tokens_lost: float = 0.0
     sample_seconds: float = 0.0
-    """Seconds on an engine summed over the samples of every returned call, with `generated_tokens` the
-    step's per-sequence token rate."""
+    """Seconds on an engine summed over the samples of every returned call (counted from the step's start
+    for a call sent before it), with `generated_tokens` the step's per-sequence token rate."""
+    started_s: float = 0.0
+    """When the step started, on the monitor's clock."""
 
     @property
     def num_incomplete(self) -> int:
         return len(self.flights) - len(self.completed) - len(self.dropped)
+
+    def leaving(self, gone: list[str], surplus: list[str]) -> "StepState":
+        """This state once the `gone` groups left it (returned or dropped), with `surplus` its complete groups:
+        what goes on running into the next step."""
+        for gid in gone:
+            del self.flights[gid]
+        self.completed, self.dropped = list(surplus), {}
+        return self
+
+    def go_on(self, step: int, version: int, now: float) -> "StepState":
+        """The next step's state over the groups still running: the same calls, engines' loads and step token
+        (the engines know the calls by it), the counters from zero; its complete groups are re-counted."""
+        return StepState(step, version, self.token, self.load, self.flights, self.queue, self.pending,
+                         self.completions, started_s=now)
 
     def partial_ids(self) -> list[str]:
         done = set(self.completed)

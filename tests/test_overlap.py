@@ -1,0 +1,134 @@
+"""The overlapped mode (train.overlap) without Ray: steps that leave their unfinished groups running on the
+engines, weights updated while they generate, and the drained step before a checkpoint."""
+import asyncio
+
+import pytest
+
+from april_ray.config import ConfigError, load_config
+from april_ray.rollout.local import resolve
+from april_ray.types import SampleState
+from driver.train import overlaps
+from tests.fakes import make_rollout_parts
+from tests.test_rollout import cfg
+
+
+def counting_aborts(pool) -> list:
+    """The step tokens of every abort the monitor sends."""
+    sent, abort_all = [], pool.abort_all
+
+    async def abort(step, engines):
+        sent.append(step)
+        await abort_all(step, engines)
+
+    pool.abort_all = abort
+    return sent
+
+
+async def overlapped(rollout, engines, num_steps: int, drain_at: set[int], kill=None):
+    """The driver's loop in the overlapped mode, with a fake learner: the next step's rollout starts before
+    this step's batch `trains`, and the new weights reach the engines while it generates. Per step: its
+    result, whether it left groups running, and the groups taken but neither returned, dropped, stored nor
+    running (none)."""
+    results, version = [], 0
+    upcoming = asyncio.ensure_future(rollout.step(0, version, 0 not in drain_at))
+    for step in range(num_steps):
+        result = await upcoming
+        source, store = rollout.source.obj, rollout.store.obj
+        unaccounted = source.num_groups_taken - (rollout.num_returned_groups + rollout.num_dropped_groups
+                                                 + len(store) + len(result.running))
+        results.append((result, rollout.running is not None, unaccounted))
+        if step + 1 < num_steps:
+            upcoming = asyncio.ensure_future(rollout.step(step + 1, version + 1, step + 1 not in drain_at))
+        if kill is not None and step == kill:
+            rollout.pool.kill(0)
+        await asyncio.sleep(0.01)  # the learner trains: the engines keep generating meanwhile
+        version += 1
+        for e in engines:
+            e.update_weights(None, version)  # in flight: running requests go on under the new version
+        if kill is not None and step == kill + 1:
+            rollout.pool.restart(0)
+            rollout.revive([0])
+    return results
+
+
+def test_overlapped_steps_never_abort_and_lose_nothing():
+    """Kept steps send no abort; every group taken is returned, dropped, stored or running after each step;
+    tokens of one sample span the versions it was generated under; a drained step leaves nothing running
+    and is the only one a checkpoint may follow."""
+    c = cfg(max_response_len=120, max_versions=4, policy="mask")
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=3)
+    aborts = counting_aborts(pool)
+    results = asyncio.run(overlapped(rollout, engines, 8, drain_at={3, 7}))
+
+    seen, spanning = set(), 0
+    for step, (r, left_running, unaccounted) in enumerate(results):
+        assert unaccounted == 0 and left_running == (step not in (3, 7)) and left_running == bool(r.running)
+        samples = [resolve(h) for g in r.groups for h in g]
+        assert len(r.groups) == c.rollout.rollout_batch_size
+        for s in samples:
+            assert s.sample_id not in seen and s.state == SampleState.FINISHED
+            seen.add(s.sample_id)
+            assert len(s.versions) == len(s.response_ids) == len(s.logprobs)
+            spanning += len(set(s.versions)) > 1
+        assert sum(r.staleness.values()) == sum(len(s.response_ids) for s in samples)
+        assert min(r.staleness) >= 0  # ages counted against the version the batch trains at
+    assert spanning > 0, "no sample's tokens spanned a weight update made while it generated"
+    # aborts only at the drained steps (3 and 7), each sent under the token of the run of kept steps it ends
+    assert aborts and len(set(aborts)) == 2, aborts
+    last = results[-1][0]
+    assert last.running == [] and rollout.running is None
+    assert source.num_groups_taken == rollout.num_returned_groups + rollout.num_dropped_groups + len(store)
+    assert rollout.state_dict()["returned_groups"] == 8 * c.rollout.rollout_batch_size
+
+
+def test_a_running_rollout_refuses_a_checkpoint_and_a_kept_step_carries_its_groups():
+    c = cfg(max_response_len=200, policy="mask")
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=1)
+    aborts = counting_aborts(pool)
+
+    async def two_steps():
+        first = await rollout.step(0, 0, keep_running=True)
+        with pytest.raises(RuntimeError, match="needs the rollout drained"):
+            rollout.state_dict()
+        carried, stored = set(first.running), len(store)
+        second = await rollout.step(1, 1, keep_running=False)
+        return first, carried, stored, second
+
+    first, carried, stored, second = asyncio.run(two_steps())
+    assert carried and first.metrics["rollout/groups_running"] == len(carried)
+    assert first.metrics["rollout/groups_partial"] == 0 and stored == 0  # nothing stored: all still running
+    # the second step went on with the first's groups: some of them are in its batch, none taken again
+    assert carried & set(second.returned_group_ids)
+    assert not set(first.returned_group_ids) & set(second.returned_group_ids)
+    assert len(aborts) == 1 and second.running == []
+    assert source.num_groups_taken == rollout.num_returned_groups + rollout.num_dropped_groups + len(store)
+
+
+def test_an_engine_death_in_a_kept_step_loses_no_group():
+    """Engine 0 dies while a kept step's groups run on it; they go to engine 1 and, after its restart, the
+    steps go on: every group is still accounted for and no sample is returned twice."""
+    c = cfg(max_response_len=120, policy="mask")
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=5)
+    results = asyncio.run(overlapped(rollout, engines, 6, drain_at={5}, kill=1))
+    assert all(unaccounted == 0 for _, _, unaccounted in results)
+    ids = [s.sample_id for r, _, _ in results for g in r.groups for s in map(resolve, g)]
+    assert len(ids) == len(set(ids)) == 6 * c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
+    assert sum(r.metrics["rollout/engine_crashes"] for r, _, _ in results) == 1
+    assert source.num_groups_taken == rollout.num_returned_groups + rollout.num_dropped_groups + len(store)
+
+
+def test_overlaps_drains_before_each_checkpoint_and_at_the_end():
+    train = load_config(None, ["train.overlap=true", "train.num_steps=7", "train.save_every=3"]).train
+    assert [overlaps(train, s) for s in range(7)] == [True, True, False, True, True, False, False]
+    sync = load_config(None, ["train.num_steps=7"]).train
+    assert not any(overlaps(sync, s) for s in range(7))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["placement.colocate=true"], "train.overlap: a colocated layout"),
+    (["rollout.schedule=sync"], "train.overlap: keeps APRIL's"),
+    (["staleness.max_versions=0"], "staleness.max_versions: the overlapped mode"),
+])
+def test_the_overlapped_mode_refuses_what_it_cannot_do(overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, ["train.overlap=true", *overrides])
