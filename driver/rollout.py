@@ -3,14 +3,14 @@ an `EngineGroup`, and the driver's side of a rollout step (`step`), which also h
 and came back to the running step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
 from actors.monitor import CompletionMonitorActor
 from actors.prompt_source import PromptSourceActor
 from actors.store import StoreActor
-from april_ray.config import Config, run_seeded
+from april_ray.config import Config, StalenessConfig, TrainConfig, run_seeded
 from driver.engines import EngineGroup
 
 
@@ -20,6 +20,8 @@ class RolloutGroup:
     store: object
     monitor: object
     engines: EngineGroup
+    ahead: dict = field(default_factory=dict)
+    """Overlapped mode: the rollout steps asked for before their turn, by step."""
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, train_path: str, engines: EngineGroup) -> "RolloutGroup":
@@ -36,6 +38,19 @@ class RolloutGroup:
     def step(self, step: int, version: int, keep_running: bool = False):
         """One rollout step, started and waited for: a `StepResult` of sample refs."""
         return self.result(self.begin(step, version, keep_running))
+
+    def batch(self, step: int, version: int, train: TrainConfig, staleness: StalenessConfig):
+        """The batch `step` trains at `version`. Overlapped (train.overlap): asked for ahead, and before it
+        returns the rollouts of the steps after it are asked for, as far as their tokens stay within the
+        staleness bound when trained (the engines serve `version` from now on, and each step trains one
+        version later) and no step before a checkpoint is passed: they run while this batch trains."""
+        result = self.result(self.ahead.pop(step, None) or self.begin(step, version, overlaps(train, step)))
+        ahead = step
+        while overlaps(train, ahead) and ahead - step < max(1, staleness.max_versions):
+            ahead += 1
+            if ahead not in self.ahead:
+                self.ahead[ahead] = self.begin(ahead, version + ahead - step, overlaps(train, ahead))
+        return result
 
     def begin(self, step: int, version: int, keep_running: bool = False):
         """Start a rollout step whose batch is trained at `version` (the overlapped mode starts the next one
@@ -59,3 +74,10 @@ class RolloutGroup:
     def shutdown(self) -> None:
         for actor in (self.source, self.store, self.monitor):
             ray.kill(actor)
+
+
+def overlaps(train: TrainConfig, step: int) -> bool:
+    """Whether `step`'s rollout leaves its unfinished groups running into the next one (train.overlap): not
+    on the step before a checkpoint (a checkpoint holds every group taken: returned, dropped or stored),
+    nor on the last."""
+    return train.overlap and (step + 1) % train.save_every != 0 and step < train.num_steps - 1

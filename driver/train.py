@@ -7,7 +7,7 @@ training, every `train.eval_every` steps and after the last step (once: a last s
 already has); checkpoints every `train.save_every` steps.
 With train.overlap the engines never stop: the next step's rollout starts before this step's batch
 trains, and its weights reach the engines in flight; the step before a checkpoint and the last one drain
-the rollout (`overlaps`). An engine that dies is restarted and caught up while the step goes on (driver/rollout.py); a learner rank
+the rollout (`RolloutGroup.batch`). An engine that dies is restarted and caught up while the step goes on (driver/rollout.py); a learner rank
 that dies stops the job with the checkpoint to resume from. `groups.jsonl` records where every group went.
 """
 from __future__ import annotations
@@ -47,15 +47,12 @@ def train(cfg) -> dict:
     clock = PhaseClock()  # seconds per phase of each step, and over the run
 
     idle = IdleShares(busy_seconds(engines.stats(drain=False)))
-    step, version, evaluated, upcoming = run.start - 1, run.version, None, None
+    step, version, evaluated = run.start - 1, run.version, None
     for step in range(run.start, cfg.train.num_steps):
         clock.start()
         evaluated = None  # this step's held-out metrics, when it evaluates
-        keeps_running = overlaps(cfg.train, step)
-        batch = rollout.result(upcoming or rollout.begin(step, version, keeps_running))  # APRIL rollout, refs only
-        clock.mark("rollout")
-        # overlapped: the next batch's rollout goes on while this one trains (trained at the next version)
-        upcoming = rollout.begin(step + 1, version + 1, overlaps(cfg.train, step + 1)) if keeps_running else None
+        batch = rollout.batch(step, version, cfg.train, cfg.staleness)  # APRIL rollout, refs; overlapped: the
+        clock.mark("rollout")                                          # next steps' rollouts run meanwhile
         stats = engines.stats()
         metrics = batch.metrics | staleness_metrics(batch.staleness, cfg.staleness) | engines.occupancy_metrics(stats)
         with stop_if_a_rank_dies(out, step):
@@ -99,13 +96,6 @@ def train(cfg) -> dict:
             "time_s": {f"{phase}_s": round(t, 3) for phase, t in clock.totals.items()},
             "engine_idle_fraction": idle_shares["job/engine_idle_fraction"],
             "learner_idle_fraction": idle_shares["job/learner_idle_fraction"]}
-
-
-def overlaps(train, step: int) -> bool:
-    """Whether `step`'s rollout leaves its unfinished groups running into the next one (train.overlap): not
-    on the step before a checkpoint (a checkpoint holds every group taken: returned, dropped or stored),
-    nor on the last."""
-    return train.overlap and (step + 1) % train.save_every != 0 and step < train.num_steps - 1
 
 
 def busy_seconds(stats: list) -> list[float | None]:

@@ -7,7 +7,7 @@ import pytest
 from april_ray.config import ConfigError, load_config
 from april_ray.rollout.local import resolve
 from april_ray.types import SampleState
-from driver.train import overlaps
+from driver.rollout import overlaps
 from tests.fakes import make_rollout_parts
 from tests.test_rollout import cfg
 
@@ -132,3 +132,29 @@ def test_overlaps_drains_before_each_checkpoint_and_at_the_end():
 def test_the_overlapped_mode_refuses_what_it_cannot_do(overrides, key):
     with pytest.raises(ConfigError, match=key):
         load_config(None, ["train.overlap=true", *overrides])
+
+
+def test_steps_asked_ahead_run_one_at_a_time_in_step_order():
+    """The overlapped driver asks for the next steps before their turn: each starts when the one before it
+    returned, whatever order the requests arrive in, and goes on with the groups that one left running."""
+    c = cfg(max_response_len=120, policy="mask")
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=2)
+    order = []
+    step = rollout._step
+
+    async def recorded(n, version, keep_running):
+        order.append(n)
+        return await step(n, version, keep_running)
+
+    rollout._step = recorded
+
+    async def asked_out_of_order():
+        first = asyncio.ensure_future(rollout.step(0, 0, True))
+        await asyncio.sleep(0)
+        later = [asyncio.ensure_future(rollout.step(n, n, n < 2)) for n in (2, 1)]
+        return [await first, *reversed(await asyncio.gather(*later))]
+
+    results = asyncio.run(asked_out_of_order())
+    assert order == [0, 1, 2] and [r.step for r in results] == [0, 1, 2]
+    assert set(results[0].running) & set(results[1].returned_group_ids)
+    assert results[2].running == [] and rollout.running is None

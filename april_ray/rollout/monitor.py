@@ -100,6 +100,11 @@ class CompletionMonitor:
         self.finished_metas: dict[str, SampleMeta] = {}
         """Sample id -> its meta (as of no new tokens), for the same samples: the meta the store hands back
         beside its handle is of the same unchanged sample."""
+        self._turns: tuple[asyncio.AbstractEventLoop, asyncio.Condition] | None = None
+        self._asked: set[int] = set()
+        self._stepping = False
+        """Steps asked for and not yet returned; one runs at a time, the lowest first, and after a step that left
+        groups running only the one after it (`step`)."""
         self.running: StepState | None = None
         """The last step's groups left running on the engines (`keep_running`): the next step goes on with them."""
 
@@ -154,12 +159,26 @@ class CompletionMonitor:
     # -- one step ---------------------------------------------------------------------------------------
     async def step(self, step: int, version: int, keep_running: bool = False) -> StepResult:
         """One step's batch, to be trained at policy `version` (the staleness of its tokens is counted
-        against it). `keep_running`: return at the N-th complete group and leave the rest generating."""
+        against it). `keep_running`: return at the N-th complete group and leave the rest generating.
+        Steps run one at a time, in the order they were asked for: the overlapped mode asks for the next
+        ones ahead, and each begins the moment the one before it returns."""
+        if self._turns is None or self._turns[0] is not asyncio.get_running_loop():  # tests use several loops
+            self._turns = (asyncio.get_running_loop(), asyncio.Condition())
+        turns = self._turns[1]
+        async with turns:
+            self._asked.add(step)
+            await turns.wait_for(lambda: not self._stepping and step == min(self._asked)
+                                 and (self.running is None or step == self.last_step + 1))
+            self._stepping = True
         try:
             return await self._step(step, version, keep_running)
         finally:
             self.last_step = max(self.last_step, step)
             self._liveness_changed()
+            async with turns:
+                self._asked.discard(step)
+                self._stepping = False
+                turns.notify_all()
 
     async def _step(self, step: int, version: int, keep_running: bool) -> StepResult:
         t0 = self.clock()
