@@ -158,3 +158,36 @@ def test_steps_asked_ahead_run_one_at_a_time_in_step_order():
     assert order == [0, 1, 2] and [r.step for r in results] == [0, 1, 2]
     assert set(results[0].running) & set(results[1].returned_group_ids)
     assert results[2].running == [] and rollout.running is None
+
+
+def random_reward(seed: int):
+    import random
+
+    rng = random.Random(seed)
+    return lambda prompt, text, answer: 1.0 if answer == "True" else float(rng.random() < 0.5)
+
+
+def by_length(prompts, responses, answers, metadatas):
+    return [float(len(r)) for r in responses]
+
+
+@pytest.mark.parametrize("kind", ["dynamic_filter", "reward_per_group"])
+def test_the_filter_and_group_rewards_work_across_kept_steps(kind):
+    """Groups that finish while no step collects, or whose samples finish in different steps, are filtered
+    and scored as in a synchronous step: kept groups have reward signal, a group function sees whole groups."""
+    c = cfg(max_response_len=120, policy="mask", dynamic_filter=kind == "dynamic_filter")
+    per_group = kind == "reward_per_group"
+    rollout, pool, source, store, engines = make_rollout_parts(
+        c, seed=4, reward_fn=by_length if per_group else random_reward(4), reward_per_group=per_group)
+    results = asyncio.run(overlapped(rollout, engines, 6, drain_at={5}))
+    assert all(unaccounted == 0 for _, _, unaccounted in results)
+    for r, _, _ in results:
+        for group in r.groups:
+            samples = [resolve(h) for h in group]
+            assert all(s.reward is not None for s in samples)
+            if per_group:
+                assert [s.reward for s in samples] == [float(len(s.response_ids)) for s in samples]
+            else:
+                assert len({s.reward for s in samples}) > 1
+    if not per_group:
+        assert sum(len(r.dropped) for r, _, _ in results) > 0

@@ -458,6 +458,7 @@ class CompletionMonitor:
             "rollout/generated_tok_s": s.generated_tokens / wall if wall > 0 else 0.0,
             "rollout/off_policy_token_ratio": off_policy / max(1, trained),
             "rollout/staleness_max": max((a for a, c in staleness.items() if c), default=0),
+            "rollout/versions_in_batch": sum(1 for c in staleness.values() if c),
             "rollout/staleness_mean": sum(a * c for a, c in staleness.items()) / max(1, trained),
             "rollout/groups_fresh": s.num_fresh,
             "rollout/groups_resumed": s.num_resumed,
