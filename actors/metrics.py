@@ -200,7 +200,7 @@ class MonitorMetrics:
         self.alive = [True] * num_engines
 
     def record(self, metrics: dict, staleness: dict[int, int], alive: list[bool]) -> None:
-        if self.aborts:
+        if self.aborts and not metrics.get("rollout/groups_running"):  # an overlapped step that kept running: none
             self.abort_latency.observe(metrics["rollout/abort_latency_s"], tags=self.mode)
         ratio, trained = metrics["rollout/off_policy_token_ratio"], metrics["rollout/trained_tokens"]
         self.off_policy.set(ratio, tags=self.mode)
