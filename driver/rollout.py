@@ -40,17 +40,18 @@ class RolloutGroup:
         return self.result(self.begin(step, version, keep_running))
 
     def batch(self, step: int, version: int, train: TrainConfig, staleness: StalenessConfig):
-        """The batch `step` trains at `version`. Overlapped (train.overlap): asked for ahead, and before it
-        returns the rollouts of the steps after it are asked for, as far as their tokens stay within the
-        staleness bound when trained (the engines serve `version` from now on, and each step trains one
-        version later) and no step before a checkpoint is passed: they run while this batch trains."""
-        result = self.result(self.ahead.pop(step, None) or self.begin(step, version, overlaps(train, step)))
+        """The batch `step` trains at `version`. Overlapped (train.overlap): the rollouts of the steps after
+        it are asked for too, as far as their tokens stay within the staleness bound when trained (the
+        engines serve `version` or later from now on, and each step trains one version later) and no step
+        before a checkpoint is passed; they run while this batch trains. The last step asked stops its
+        groups when it ends, unless the next one was asked meanwhile (`CompletionMonitor.step`)."""
+        started = self.ahead.pop(step, None) or self.begin(step, version, overlaps(train, step))
         ahead = step
         while overlaps(train, ahead) and ahead - step < max(1, staleness.max_versions):
             ahead += 1
             if ahead not in self.ahead:
                 self.ahead[ahead] = self.begin(ahead, version + ahead - step, overlaps(train, ahead))
-        return result
+        return self.result(started)
 
     def begin(self, step: int, version: int, keep_running: bool = False):
         """Start a rollout step whose batch is trained at `version` (the overlapped mode starts the next one

@@ -24,21 +24,40 @@ def counting_aborts(pool) -> list:
     return sent
 
 
-async def overlapped(rollout, engines, num_steps: int, drain_at: set[int], kill=None):
-    """The driver's loop in the overlapped mode, with a fake learner: the next step's rollout starts before
-    this step's batch `trains`, and the new weights reach the engines while it generates. Per step: its
-    result, whether it left groups running, and the groups taken but neither returned, dropped, stored nor
-    running (none)."""
-    results, version = [], 0
-    upcoming = asyncio.ensure_future(rollout.step(0, version, 0 not in drain_at))
-    for step in range(num_steps):
-        result = await upcoming
+def accounted(rollout) -> dict[int, int]:
+    """Per step, as it returns (before the next one starts): the groups taken from the source but neither
+    returned, dropped, stored nor left running (none, when nothing is lost)."""
+    inner, out = rollout._step, {}
+
+    async def step(n, version, keep_running):
+        result = await inner(n, version, keep_running)
         source, store = rollout.source.obj, rollout.store.obj
-        unaccounted = source.num_groups_taken - (rollout.num_returned_groups + rollout.num_dropped_groups
-                                                 + len(store) + len(result.running))
-        results.append((result, rollout.running is not None, unaccounted))
-        if step + 1 < num_steps:
-            upcoming = asyncio.ensure_future(rollout.step(step + 1, version + 1, step + 1 not in drain_at))
+        out[n] = source.num_groups_taken - (rollout.num_returned_groups + rollout.num_dropped_groups
+                                            + len(store) + len(result.running))
+        return result
+
+    rollout._step = step
+    return out
+
+
+async def overlapped(rollout, engines, num_steps: int, drain_at: set[int], kill=None, ahead: int = 1):
+    """The driver's loop in the overlapped mode (driver/rollout.py), with a fake learner: before waiting for a
+    step's batch, the next `ahead` steps' rollouts are asked for (not past a drained step); the batch
+    `trains` while they run, and the new weights reach the engines while they generate. Returns each
+    step's result and the groups unaccounted for when it returned."""
+    unaccounted, asked, results, version = accounted(rollout), {}, [], 0
+
+    def ask(n: int, v: int) -> None:
+        if n not in asked:
+            asked[n] = asyncio.ensure_future(rollout.step(n, v, n not in drain_at))
+
+    for step in range(num_steps):
+        ask(step, version)
+        n = step
+        while n not in drain_at and n - step < ahead:
+            n += 1
+            ask(n, version + n - step)
+        results.append(await asked.pop(step))
         if kill is not None and step == kill:
             rollout.pool.kill(0)
         await asyncio.sleep(0.01)  # the learner trains: the engines keep generating meanwhile
@@ -48,7 +67,7 @@ async def overlapped(rollout, engines, num_steps: int, drain_at: set[int], kill=
         if kill is not None and step == kill + 1:
             rollout.pool.restart(0)
             rollout.revive([0])
-    return results
+    return [(r, unaccounted[r.step]) for r in results]
 
 
 def test_overlapped_steps_never_abort_and_lose_nothing():
@@ -61,8 +80,8 @@ def test_overlapped_steps_never_abort_and_lose_nothing():
     results = asyncio.run(overlapped(rollout, engines, 8, drain_at={3, 7}))
 
     seen, spanning = set(), 0
-    for step, (r, left_running, unaccounted) in enumerate(results):
-        assert unaccounted == 0 and left_running == (step not in (3, 7)) and left_running == bool(r.running)
+    for step, (r, unaccounted) in enumerate(results):
+        assert unaccounted == 0 and bool(r.running) == (step not in (3, 7))
         samples = [resolve(h) for g in r.groups for h in g]
         assert len(r.groups) == c.rollout.rollout_batch_size
         for s in samples:
@@ -85,22 +104,46 @@ def test_a_running_rollout_refuses_a_checkpoint_and_a_kept_step_carries_its_grou
     c = cfg(max_response_len=200, policy="mask")
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=1)
     aborts = counting_aborts(pool)
+    inner, seen = rollout._step, {}
+
+    async def step(n, version, keep_running):  # as each step returns, before the next one starts
+        result = await inner(n, version, keep_running)
+        try:
+            rollout.state_dict()
+            seen[n] = "checkpointable"
+        except RuntimeError as e:
+            seen[n] = str(e)
+        seen[n, "stored"] = len(store)
+        return result
+
+    rollout._step = step
 
     async def two_steps():
-        first = await rollout.step(0, 0, keep_running=True)
-        with pytest.raises(RuntimeError, match="needs the rollout drained"):
-            rollout.state_dict()
-        carried, stored = set(first.running), len(store)
-        second = await rollout.step(1, 1, keep_running=False)
-        return first, carried, stored, second
+        first = asyncio.ensure_future(rollout.step(0, 0, keep_running=True))
+        second = asyncio.ensure_future(rollout.step(1, 1, keep_running=False))  # asked before the first ends
+        return await first, await second
 
-    first, carried, stored, second = asyncio.run(two_steps())
+    first, second = asyncio.run(two_steps())
+    assert "needs the rollout drained" in seen[0] and seen[1] == "checkpointable"
+    carried = set(first.running)
     assert carried and first.metrics["rollout/groups_running"] == len(carried)
-    assert first.metrics["rollout/groups_partial"] == 0 and stored == 0  # nothing stored: all still running
+    assert first.metrics["rollout/groups_partial"] == 0 and seen[0, "stored"] == 0  # nothing stored: all running
     # the second step went on with the first's groups: some of them are in its batch, none taken again
     assert carried & set(second.returned_group_ids)
     assert not set(first.returned_group_ids) & set(second.returned_group_ids)
     assert len(aborts) == 1 and second.running == []
+    assert source.num_groups_taken == rollout.num_returned_groups + rollout.num_dropped_groups + len(store)
+
+
+def test_a_kept_step_with_no_step_asked_after_it_stops_its_groups():
+    """The rollout may not run further ahead than the steps the driver asked for: a step asked to keep its
+    groups running, with none asked after it, interrupts and stores them as a synchronous step does."""
+    c = cfg(max_response_len=200, policy="mask")
+    rollout, pool, source, store, engines = make_rollout_parts(c, seed=1)
+    aborts = counting_aborts(pool)
+    result = asyncio.run(rollout.step(0, 0, keep_running=True))
+    assert result.running == [] and rollout.running is None and len(aborts) == 1
+    assert result.metrics["rollout/groups_partial"] + result.metrics["rollout/groups_surplus"] == len(store) > 0
     assert source.num_groups_taken == rollout.num_returned_groups + rollout.num_dropped_groups + len(store)
 
 
@@ -110,10 +153,10 @@ def test_an_engine_death_in_a_kept_step_loses_no_group():
     c = cfg(max_response_len=120, policy="mask")
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=5)
     results = asyncio.run(overlapped(rollout, engines, 6, drain_at={5}, kill=1))
-    assert all(unaccounted == 0 for _, _, unaccounted in results)
-    ids = [s.sample_id for r, _, _ in results for g in r.groups for s in map(resolve, g)]
+    assert all(unaccounted == 0 for _, unaccounted in results)
+    ids = [s.sample_id for r, _ in results for g in r.groups for s in map(resolve, g)]
     assert len(ids) == len(set(ids)) == 6 * c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
-    assert sum(r.metrics["rollout/engine_crashes"] for r, _, _ in results) == 1
+    assert sum(r.metrics["rollout/engine_crashes"] for r, _ in results) == 1
     assert source.num_groups_taken == rollout.num_returned_groups + rollout.num_dropped_groups + len(store)
 
 
@@ -180,8 +223,8 @@ def test_the_filter_and_group_rewards_work_across_kept_steps(kind):
     rollout, pool, source, store, engines = make_rollout_parts(
         c, seed=4, reward_fn=by_length if per_group else random_reward(4), reward_per_group=per_group)
     results = asyncio.run(overlapped(rollout, engines, 6, drain_at={5}))
-    assert all(unaccounted == 0 for _, _, unaccounted in results)
-    for r, _, _ in results:
+    assert all(unaccounted == 0 for _, unaccounted in results)
+    for r, _ in results:
         for group in r.groups:
             samples = [resolve(h) for h in group]
             assert all(s.reward is not None for s in samples)
@@ -190,4 +233,4 @@ def test_the_filter_and_group_rewards_work_across_kept_steps(kind):
             else:
                 assert len({s.reward for s in samples}) > 1
     if not per_group:
-        assert sum(len(r.dropped) for r, _, _ in results) > 0
+        assert sum(len(r.dropped) for r, _ in results) > 0

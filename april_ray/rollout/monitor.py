@@ -7,9 +7,11 @@
     and partial groups go to the store.
 
 A step asked to `keep_running` (the overlapped mode, train.overlap) returns its batch at the N-th complete
-group without the interrupt: its other groups go on generating on the engines while the learner trains,
-and the next step continues them (`running`: the same calls, loads and step token), so the engines
-never stop. A step that is not asked to (the synchronous modes, and the overlapped mode's steps before a
+group without the interrupt when the next step has already been asked for: its other groups go on
+generating on the engines while the learner trains, and the next step continues them (`running`: the
+same calls, loads and step token), so the engines never stop while the driver keeps asking ahead. With no
+step asked after it, the rollout is as far ahead of the learner as the staleness bound lets it go, and
+the step interrupts and stores as usual (tokens generated meanwhile would be too old when trained). A step that is not asked to (the synchronous modes, and the overlapped mode's steps before a
 checkpoint and the last one) ends as above, and leaves nothing running.
 
 The synchronous baseline (`rollout.schedule=sync`) is the same loop with N' = N, no top-up and no abort.
@@ -159,7 +161,8 @@ class CompletionMonitor:
     # -- one step ---------------------------------------------------------------------------------------
     async def step(self, step: int, version: int, keep_running: bool = False) -> StepResult:
         """One step's batch, to be trained at policy `version` (the staleness of its tokens is counted
-        against it). `keep_running`: return at the N-th complete group and leave the rest generating.
+        against it). `keep_running`: return at the N-th complete group and leave the rest generating into
+        the next step, if that one was asked for by then.
         Steps run one at a time, in the order they were asked for: the overlapped mode asks for the next
         ones ahead, and each begins the moment the one before it returns."""
         if self._turns is None or self._turns[0] is not asyncio.get_running_loop():  # tests use several loops
@@ -194,6 +197,9 @@ class CompletionMonitor:
         failure = await self._top_up(s)
         s.start_s = self.clock() - t0
         failure = failure or await self._collect(s)
+        # Groups keep running only into a step already asked for: one asked later would train their tokens
+        # further past the staleness bound than the driver's look-ahead allows (driver/rollout.py).
+        keep_running = keep_running and any(later > step for later in self._asked)
         if failure is None and s.pending and not keep_running:  # N-th group complete: interrupt the rest
             t_nth = self.clock()
             s.abort_resends = await self._interrupt(s)
