@@ -119,7 +119,10 @@ def run_overlap(setting: Setting, rollout, batch: int, n_prime: int, batches: in
         sched.pool.abort_all = counted_abort
         done: list[Batch] = []
         asked: dict[int, asyncio.Task] = {}
-        busy_s = lambda: sum(e.busy_s for e in sched.engines)  # noqa: E731
+
+        def busy_s() -> float:
+            return sum(e.busy_s for e in sched.engines)
+
         base = busy_s()
 
         def ask(step: int, version: int) -> asyncio.Task:
