@@ -20,8 +20,9 @@ less those its staleness mask drops (`masked_token_ratio`; staleness.policy mask
 over-provisioned baseline returns the N that finish first, the shortest). End to end, with the learner
 and the weight sync in the step (`study.learner_s`, `study.weight_sync_s`), each row gives trained tokens
 per wall second (`*_end_to_end_tok_s`) and their ratio to sync's (`april_end_to_end_speedup`,
-`oversample_end_to_end_speedup`), and the overlapped mode's (sim/overlap.py: the rollout never stops on E
-of the G GPUs, the learner trains on the rest, weights updated in flight) at each split of the GPUs
+`oversample_end_to_end_speedup`), and the overlapped mode's (sim/overlap.py: the job's own loop with
+train.overlap, its steps kept running and asked ahead, on E of the G GPUs, the learner trains on the
+rest, weights updated in flight) at each split of the GPUs
 (`overlap_splits`) and at the best (`overlap_split`, `overlap_end_to_end_speedup`). Every schedule runs on its own
 virtual loop, so `--workers N` runs them side by side in N processes (at most one per schedule), the
 largest first: the same results (but for the measured control-plane CPU, which passes on the virtual
@@ -182,6 +183,8 @@ def overlap_figures(splits: list[dict], sync_e2e_tok_s: float) -> dict:
             "learner_busy_fraction": s["learner_busy_fraction"], "period_s": s["period_s"],
             "pause_factor": s["pause_factor"], "masked_token_ratio": s["masked_token_ratio"],
             "off_policy_token_ratio": s["off_policy_token_ratio"], "staleness_hist": s["staleness_hist"],
+            "staleness_mean": s["staleness_mean"], "staleness_max": s["staleness_max"],
+            "engine_busy_fraction": s["engine_busy_fraction"], "batches_waiting_mean": s["batches_waiting_mean"],
             "sim_cpu_s": s["sim_cpu_s"]} for s in splits]
     if not per:
         return {"overlap_splits": []}
@@ -233,10 +236,9 @@ def result_row(cfg, sim, gpus: int, engines: int, factor: float, sync: dict, apr
         "control_plane_share_of_rollout": april["control_plane_cpu_s_per_step"] / april["rollout_s"],
         "engine_side_cpu_s_per_step": april["engine_side_cpu_s_per_step"],
         "sample_calls_per_step": april["sample_calls_per_step"], "sync_sample_calls_per_step": sync["sample_calls_per_step"],
-        "lost_groups": april["lost_groups"] + sync["lost_groups"] + over["lost_groups"],
-        "duplicated_samples": april["duplicated_samples"] + sync["duplicated_samples"] + over["duplicated_samples"],
-        "samples_with_wrong_length": april["samples_with_wrong_length"] + sync["samples_with_wrong_length"]
-                                     + over["samples_with_wrong_length"],
+        "lost_groups": sum(r["lost_groups"] for r in (april, sync, over, *splits)),
+        "duplicated_samples": sum(r["duplicated_samples"] for r in (april, sync, over, *splits)),
+        "samples_with_wrong_length": sum(r["samples_with_wrong_length"] for r in (april, sync, over, *splits)),
         "sim_cpu_s": april["sim_cpu_s"] + sync["sim_cpu_s"] + over["sim_cpu_s"] + sum(s["sim_cpu_s"] for s in splits),
         "april_sim_cpu_s": april["sim_cpu_s"], "sync_sim_cpu_s": sync["sim_cpu_s"], "oversample_sim_cpu_s": over["sim_cpu_s"],
     }

@@ -82,9 +82,7 @@ class StepRecord:
 
 
 class Schedule:
-    def __init__(self, name: str, setting: Setting, rollout: RolloutConfig, loop, pool=LocalPool):
-        """`pool(workers, capacities)` makes the engine pool the monitor drives (sim/overlap.py's counts
-        the groups its learner takes)."""
+    def __init__(self, name: str, setting: Setting, rollout: RolloutConfig, loop):
         self.name, self.setting, self.loop = name, setting, loop
         wl = setting.workload
         self.engines = [setting.engine() for _ in range(setting.num_engines)]
@@ -98,7 +96,7 @@ class Schedule:
         self.source = PromptSource(wl.examples(), wl.encode, rollout.n_samples_per_prompt, wl.max_response_blocks,
                                    setting.seed)
         self.store = PartialRolloutStore(max_versions=setting.staleness.max_versions, policy=setting.staleness.policy)
-        self.pool = pool(workers, [setting.max_num_seqs] * setting.num_engines)
+        self.pool = LocalPool(workers, [setting.max_num_seqs] * setting.num_engines)
         self.monitor = CompletionMonitor(rollout, self.pool, LocalProxy(self.source), LocalProxy(self.store),
                                          setting.staleness)
         self.records: list[StepRecord] = []

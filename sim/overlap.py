@@ -1,34 +1,34 @@
-"""The overlapped mode, predicted: the rollout never stops on E engines while a learner trains on the
-other G - E GPUs, new weights reaching the engines in flight.
+"""The overlapped mode (train.overlap), predicted: the rollout never stops on E engines while a learner
+trains on the other G - E GPUs, new weights reaching the engines in flight.
 
-What is simulated (the real `CompletionMonitor`, `PromptSource` and `EngineWorker`s on the virtual clock,
-`sim.cluster.Schedule` with an `OverlapPool`): one APRIL step as long as the whole run (warm-up + measured
-batches of N groups), keeping the job's N' groups in flight and topping them up as they complete, so no
-engine is ever aborted but at the run's very end. Beside it, a learner on the same clock takes the next N
-complete groups (in completion order) as soon as they are there, trains them for the learner time of
-their tokens on its G - E GPUs (`study.learner_s_on`), spends one weight sync sending the weights, and
-the engines adopt the new version at their next step boundary (`SimEngine.update_weights`): tokens
-generated later carry it, a sample's tokens may span versions.
+What is simulated is the job's own loop on the virtual clock: the real `CompletionMonitor`, `PromptSource`,
+store and `EngineWorker`s (`sim.cluster.Schedule`) driven as `driver/train.py` drives them in this mode.
+Each step's batch comes from `CompletionMonitor.step(step, version, keep_running=True)`: it returns at its
+N-th complete group without an interrupt, and its other groups go on generating into the next step. The
+steps are asked for as `RolloutGroup.batch` (driver/rollout.py) asks: once step k's batch is in, the
+steps after it up to k + max(1, `staleness.max_versions`) are asked, each to be trained at the version the
+learner will then be at (V_k + j - k); the monitor runs them one at a time, back to back, so the engines
+run at most max_versions batches ahead of the learner. When they are that far ahead no step collects:
+the running calls finish and nothing new is dispatched until the learner takes the next batch (that
+lookahead is the admission rule modelled; no other one). As in the job, the last step does not keep its
+groups running (`overlaps`: it drains, with the one abort of the run); no checkpoint is simulated.
 
-The cost model of an update in flight: the learner is busy for `study.weight_sync_s` per update (the
-broadcast), and the engines pause at a token boundary for as long (their generation stops while the
-weights are loaded in place, KV caches kept); the pause is charged afterwards, as tokens the engines
+The learner, beside the monitor on the same clock, trains step k's batch at version k for the learner time
+of its tokens (prompt + response) on its G - E GPUs (`study.learner_s_on`), spends one weight sync
+sending the weights (`study.weight_sync_s`), and publishes version k + 1: the engines adopt it at their
+next step boundary (`SimEngine.update_weights`), tokens generated later carry it, a sample's tokens may
+span versions. The pause of an update in flight: the engines stop at a token boundary for as long as
+the weight sync while the weights are loaded in place (KV caches kept), charged afterwards as tokens they
 would have made meanwhile: the rate is scaled by (1 - weight_sync_s / update period) when the engines,
-not the learner, set the pace.
-
-The staleness bound, two ways: at training time as the job does (the batch of version j masks every
-token older than `staleness.max_versions` versions, and masked tokens do not count as trained), and at
-admission, a simplification of the mode's rule: no group starts or resumes while a full batch of
-complete groups already waits for the learner (the engines run at most one batch ahead of it, so a
-learner slower than the engines idles them instead of ageing their tokens).
+not the learner, set the pace. Tokens older than `staleness.max_versions` versions than their batch's
+are masked at training, as the job's learner does, and do not count as trained.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 
-from april_ray.rollout.local import LocalPool
-from april_ray.rollout.monitor import batch_staleness, filter_reason
+from april_ray.rollout.local import resolve
 from april_ray.types import SampleState
 from sim.clock import VirtualLoop, run_virtual
 from sim.cluster import CONTROL_PLANE, Schedule, Setting
@@ -50,50 +50,16 @@ def splits(gpus: int, gpus_per_engine: int = 1) -> list[dict]:
     return out
 
 
-class OverlapPool(LocalPool):
-    """`LocalPool` that counts the groups completed (those the dynamic filter keeps), keeps their metas in
-    completion order for the learner, and holds a call back while a full batch waits untrained."""
-
-    def __init__(self, workers, capacities: list[int], batch: int, n_samples: int, dynamic_filter: bool):
-        super().__init__(workers, capacities)
-        self.batch, self.n_samples, self.dynamic_filter = batch, n_samples, dynamic_filter
-        self.completed: list[list] = []
-        """The metas of each complete group, in completion order."""
-        self.taken = 0
-        """Batches the learner has taken."""
-        self.open = False
-        """Once the learner has taken its last batch, nothing waits at admission (the step must end)."""
-        self.held_s = 0.0
-        """Call-seconds spent waiting at admission."""
-        self._changed: asyncio.Event | None = None
-
-    async def changed(self) -> None:
-        self._changed = self._changed or asyncio.Event()
-        await self._changed.wait()
-
-    def notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
-
-    def ahead(self) -> int:
-        return len(self.completed) - self.taken * self.batch
-
-    async def _call(self, engine, samples, step, context):
-        t0 = asyncio.get_running_loop().time()
-        while not self.open and self.ahead() >= self.batch:
-            await self.changed()
-        self.held_s += asyncio.get_running_loop().time() - t0
-        return await super()._call(engine, samples, step, context)
-
-    async def _metas(self, engine, call):
-        metas = await super()._metas(engine, call)
-        # a group is one call from its start to its end here (never aborted): all its samples finished
-        if len(metas) == self.n_samples and all(m.state == SampleState.FINISHED for m in metas) \
-                and not (self.dynamic_filter and filter_reason(metas)):
-            self.completed.append(metas)
-            self.notify()
-        return metas
+def asked_ahead(step: int, last: int, max_versions: int) -> list[int]:
+    """The steps `RolloutGroup.batch` asks for once `step`'s batch is in (driver/rollout.py): the next ones
+    while the one before keeps its groups running (`overlaps`: every step but the last, no checkpoint
+    here) and they are at most max(1, max_versions) ahead."""
+    ahead = step
+    out = []
+    while ahead < last and ahead - step < max(1, max_versions):
+        ahead += 1
+        out.append(ahead)
+    return out
 
 
 @dataclasses.dataclass
@@ -103,44 +69,89 @@ class Batch:
     response_tokens: int
     train_tokens: int
     staleness: dict[int, int]
+    waiting: int
+    """Batches of the steps asked ahead already complete when the learner took this one: how far the
+    rollout ran ahead of the learner (0: the learner waited for the engines)."""
+
+
+class Checks:
+    """What the run must keep, as `Schedule._check` keeps it for the synchronous schedules: no sample
+    trained twice, each with exactly the tokens it was drawn to end with; counted, not asserted."""
+
+    def __init__(self, workload):
+        self.workload, self.seen = workload, set()
+        self.duplicated = self.wrong_length = 0
+
+    def batch(self, result) -> int:
+        """Counts the batch's samples; returns its prompt + response blocks."""
+        tokens = 0
+        for group in result.groups:
+            for sample in map(resolve, group):
+                self.duplicated += sample.sample_id in self.seen
+                self.seen.add(sample.sample_id)
+                n = len(sample.response_ids)
+                self.wrong_length += not (sample.state == SampleState.FINISHED and n == len(sample.versions)
+                                          == self.workload.response_len(sample.prompt_ids[0], sample.sample_id))
+                tokens += n + len(sample.prompt_ids)
+        return tokens
 
 
 def run_overlap(setting: Setting, rollout, batch: int, n_prime: int, batches: int, warmup: int,
                 learner_s_per_token: float, weight_sync_s: float, ceiling: float) -> dict:
     """The overlapped mode on `setting`'s engines: `batches` learner steps of `batch` groups, N' =
-    `n_prime` groups in flight, the first `warmup` steps not measured. `learner_s_per_token`: the learner's
-    seconds per train token (prompt + response) on its share of the GPUs. Figures over the measured steps."""
+    `n_prime` groups in flight while a step collects, the first `warmup` steps not measured.
+    `learner_s_per_token`: the learner's seconds per train token (prompt + response) on its share of the
+    GPUs. Figures over the measured steps."""
     block = setting.workload.block
-    prompt_tokens = setting.workload.blocks(setting.workload.prompt_lens[0]) * block
-    # one step of every group the run needs: the monitor tops N' back up as groups complete, never aborts
-    long = dataclasses.replace(rollout, schedule="april", rollout_batch_size=batch * batches,
-                               over_sampling_batch_size=n_prime)
+    rollout = dataclasses.replace(rollout, schedule="april", rollout_batch_size=batch, over_sampling_batch_size=n_prime)
+    lookahead = setting.staleness.max_versions
 
     async def main(loop: VirtualLoop) -> dict:
         loop.clocked.add(CONTROL_PLANE)
-        sched = Schedule("overlap", setting, long, loop, pool=lambda workers, capacities: OverlapPool(
-            workers, capacities, batch, rollout.n_samples_per_prompt, rollout.dynamic_filter))
-        p, trains = sched.pool, setting.staleness.trains
+        sched = Schedule("overlap", setting, rollout, loop)
+        monitor, checks, aborts = sched.monitor, Checks(setting.workload), []
+        abort_all = sched.pool.abort_all
+
+        async def counted_abort(token, engines):
+            aborts.append(token)
+            await abort_all(token, engines)
+
+        sched.pool.abort_all = counted_abort
         done: list[Batch] = []
+        asked: dict[int, asyncio.Task] = {}
 
-        async def learner() -> None:
-            for j in range(batches):
-                while len(p.completed) < (j + 1) * batch:
-                    await p.changed()
-                p.taken, p.open = j + 1, j + 1 == batches
-                p.notify()
-                t0, metas = loop.time(), p.completed[j * batch:(j + 1) * batch]
-                response = sum(m.response_len for ms in metas for m in ms) * block
-                train = response + prompt_tokens * sum(map(len, metas))
-                await asyncio.sleep(train * learner_s_per_token + weight_sync_s)
-                for w in p.workers:  # in flight: from the engines' next step boundary
-                    w.update_weights(None, j + 1)
-                done.append(Batch(t0, loop.time(), response, train, batch_staleness(metas, j)))
+        def busy_s() -> float:
+            return sum(e.busy_s for e in sched.engines)
 
-        step = loop.spawn(sched.monitor.step(0, 0), CONTROL_PLANE)
-        await asyncio.gather(step, learner())
-        return summary(done[warmup:], done[warmup - 1].done_s if warmup else 0.0, trains, block, setting.num_engines,
-                       ceiling, weight_sync_s) | {"admission_held_call_s": p.held_s}
+        base = busy_s()
+
+        def ask(step: int, version: int) -> asyncio.Task:
+            return loop.spawn(monitor.step(step, version, step < batches - 1), CONTROL_PLANE)
+
+        version = 0
+        for k in range(batches):  # driver/train.py's loop: the batch, the learner's step, the weights out
+            result = await (asked.pop(k, None) or ask(k, version))
+            for j in asked_ahead(k, batches - 1, lookahead):
+                if j not in asked:
+                    asked[j] = ask(j, version + j - k)
+            t0, waiting = loop.time(), sum(t.done() for t in asked.values())
+            train = checks.batch(result) * block
+            await asyncio.sleep(train * learner_s_per_token + weight_sync_s)
+            version += 1
+            for w in sched.pool.workers:  # in flight: from the engines' next step boundary
+                w.update_weights(None, version)
+            done.append(Batch(t0, loop.time(), result.metrics["rollout/trained_tokens"] * block, train,
+                              result.staleness, waiting))
+            if k == warmup - 1:
+                base = busy_s()
+        busy = busy_s() - base
+        lost = sched.source.num_groups_taken - monitor.num_returned_groups - monitor.num_dropped_groups - len(sched.store)
+        out = summary(done[warmup:], done[warmup - 1].done_s if warmup else 0.0, setting.staleness.trains, block,
+                      setting.num_engines, ceiling, weight_sync_s)
+        return out | {"engine_busy_fraction": busy / (out["period_s"] * len(done[warmup:])) / setting.num_engines,
+                      "aborts": len(aborts), "lost_groups": lost, "duplicated_samples": checks.duplicated,
+                      "samples_with_wrong_length": checks.wrong_length,
+                      "batches_waiting_mean": sum(b.waiting for b in done[warmup:]) / len(done[warmup:])}
 
     return run_virtual(main)
 
@@ -148,7 +159,8 @@ def run_overlap(setting: Setting, rollout, batch: int, n_prime: int, batches: in
 def summary(measured: list[Batch], t0: float, trains, block: int, engines: int, ceiling: float,
             weight_sync_s: float) -> dict:
     """Trained (unmasked) response tokens per second between the end of the warm-up's last update and the
-    last measured one, the engines' pause for each update charged when they set the pace."""
+    last measured one, the engines' pause for each update charged when they set the pace; the trained
+    tokens' ages (versions between the one that sampled a token and the one its batch trains at)."""
     wall = measured[-1].done_s - t0
     hist: dict[int, int] = {}
     for b in measured:
@@ -165,6 +177,8 @@ def summary(measured: list[Batch], t0: float, trains, block: int, engines: int, 
             "learner_busy_fraction": learner_busy, "pause_factor": pause,
             "masked_token_ratio": masked / max(1, total),
             "off_policy_token_ratio": sum(c for age, c in hist.items() if age > 0) / max(1, total),
+            "staleness_mean": sum(a * c for a, c in hist.items()) / max(1, total),
+            "staleness_max": max((a for a, c in hist.items() if c), default=0),
             "staleness_hist": {str(a): round(c / max(1, total), 4) for a, c in sorted(hist.items())},
             "response_tokens_per_step": total * block / len(measured),
             "train_tokens_per_step": sum(b.train_tokens for b in measured) / len(measured)}

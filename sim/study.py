@@ -168,15 +168,18 @@ def assumptions(cfg: Config, sim: SimulateConfig, setting: Setting) -> dict:
                     "mfu": sim.learner_mfu, "colocated": cfg.placement.colocate},
         "weight_sync": {"gb_s": sim.weight_sync_gb_s, "seconds": weight_sync_s(cfg, sim)},
         "step": "step_s = rollout + learner + weight sync, one after the other (the job is synchronous)",
-        "overlap": "sim/overlap.py: E engines never aborted (one APRIL step as long as the run, N' in flight, "
-                   "topped up; N and N' those of the G-GPU job, so each of the E engines carries G/E times "
-                   "the config's load), a learner on the other G - E GPUs (learner formula on G - E GPUs) taking the "
-                   "next N complete groups as soon as they are there; each update costs the learner one weight "
-                   "sync and the engines a pause as long (charged as lost tokens when they set the pace); "
-                   "staleness: tokens older than max_versions masked at training, and no group starts or "
-                   "resumes while a full batch already waits for the learner; splits: the learner gets "
-                   "1/2, 3/8, 1/4, 3/16, 1/8, 1/16 of the GPUs (whole engines, at least one GPU each side); the best "
-                   "split is the one with the most trained tokens per wall second",
+        "overlap": "sim/overlap.py: the job's own loop with train.overlap on E engines: the real CompletionMonitor's "
+                   "steps with keep_running (each returns at its N-th complete group, no abort, its other groups "
+                   "go on into the next step), asked ahead as RolloutGroup.batch asks (up to max(1, "
+                   "staleness.max_versions) steps beyond the one the learner trains, each trained at its version), "
+                   "N' in flight while a step collects (N and N' those of the G-GPU job, so each of the E engines "
+                   "carries G/E times the config's load); the learner on the other G - E GPUs (learner formula on "
+                   "G - E GPUs) trains each batch, spends one weight sync, and publishes the next version, which "
+                   "the engines adopt at their next step boundary; each update costs the engines a pause as long "
+                   "as the weight sync (charged as lost tokens when they set the pace); tokens older than "
+                   "max_versions are masked at training; the last step drains (the run's one abort); splits: the "
+                   "learner gets 1/2, 3/8, 1/4, 3/16, 1/8, 1/16 of the GPUs (whole engines, at least one GPU each "
+                   "side); the best split is the one with the most trained tokens per wall second",
         "control_plane": "the real CompletionMonitor, PromptSource and PartialRolloutStore on this machine's "
                          "core: their CPU (process time) is measured per step and passes on the virtual clock "
                          "(latency: completions that arrive meanwhile wait for the monitor), engines unaffected",

@@ -29,39 +29,80 @@ def test_the_splits_give_the_learner_a_halving_share_in_whole_engines():
     assert splits(1) == [] and all(s["engines"] + s["learner"] == 64 for s in splits(64))
 
 
-def test_with_a_free_learner_the_overlapped_mode_is_its_engines_alone(small):
-    """Learner and weight sync cost nothing: the learner never holds the engines up, no pause is charged,
-    and the overlapped speedup over a rollout-only sync is the ratio of their utilizations times the
-    engines' share of the GPUs."""
-    from jobs.simulate import overlap_figures, run_overlap, run_one
+def test_the_steps_asked_ahead_are_those_of_the_job():
+    """As RolloutGroup.batch: after step k's batch, the next steps up to k + max(1, max_versions), none past
+    the last (the one that drains)."""
+    from sim.overlap import asked_ahead
+
+    assert asked_ahead(0, 9, 4) == [1, 2, 3, 4] and asked_ahead(7, 9, 4) == [8, 9] and asked_ahead(9, 9, 4) == []
+    assert asked_ahead(3, 9, 0) == [4] and asked_ahead(3, 9, 1) == [4]
+
+
+@pytest.fixture(scope="module")
+def free_and_real(small):
+    """6 engines of an 8-GPU job, 6 learner steps after 1 warm-up: with a learner that costs nothing, and
+    with the learner's and the weight sync's modelled cost on the other 2 GPUs."""
     from sim import study
+    from sim.overlap import run_overlap
 
     cfg, sim, ceiling = small
     setting = study.gpu_setting(cfg, sim, 6)
     n = study.batch_for(cfg, 8)
     rollout = study.rollout_for(cfg, n, 2.0, "april")
-    from sim.overlap import run_overlap as raw
+    free = run_overlap(setting, rollout, n, rollout.over_sampling_batch_size, 6, 1, 0.0, 0.0, ceiling)
+    real = run_overlap(setting, rollout, n, rollout.over_sampling_batch_size, 6, 1,
+                       study.learner_s_on(cfg, sim, 2, 1.0), study.weight_sync_s(cfg, sim), ceiling)
+    return setting, free, real
 
-    out = raw(setting, rollout, n, rollout.over_sampling_batch_size, 4, 1, 0.0, 0.0, ceiling)
-    assert out["learner_busy_fraction"] == 0 and out["pause_factor"] == 1.0
+
+def test_kept_steps_never_abort_and_lose_nothing(free_and_real):
+    """Only the last step, which drains, aborts; every group is accounted for after it, no sample is
+    trained twice and each has the tokens it was drawn to end with."""
+    for out in free_and_real[1:]:
+        assert out["aborts"] == 1 and out["lost_groups"] == 0
+        assert out["duplicated_samples"] == 0 and out["samples_with_wrong_length"] == 0
+
+
+def test_with_a_free_learner_the_overlapped_mode_is_its_engines_alone(small, free_and_real):
+    """Learner and weight sync cost nothing: no pause is charged, the engines never wait for the learner,
+    and the overlapped speedup over a rollout-only sync is the ratio of their utilizations times the
+    engines' share of the GPUs."""
+    from jobs.simulate import overlap_figures, run_one
+    from sim import study
+
+    cfg, sim, ceiling = small
+    setting, out, _ = free_and_real
+    assert out["learner_busy_fraction"] < 1e-3 and out["pause_factor"] == 1.0
+    assert out["engine_busy_fraction"] > 0.95  # never held back: the learner takes each batch at once
     assert out["tok_s"] == pytest.approx(out["utilization"] * ceiling * setting.workload.block * 6)
-    assert out["admission_held_call_s"] == 0  # a learner that takes each batch at once never closes admission
     assert 0 < out["utilization"] <= 1.05 and out["masked_token_ratio"] == 0
+    assert out["staleness_max"] <= cfg.staleness.max_versions
     sync = run_one(cfg, sim, 8, None, "sync", ceiling)
     e2e_sync = study.end_to_end_tok_s(sync["unmasked_tok_s"], sync["rollout_s"], 0.0, 0.0)
     figures = overlap_figures([out | {"engines": 6, "learner": 2, "sim_cpu_s": 0.0}], e2e_sync)
     assert figures["overlap_end_to_end_speedup"] == pytest.approx(
         out["utilization"] * 6 / (sync["unmasked_utilization"] * 8))
-    # with the learner's real cost on 2 GPUs it is slower, never faster
-    slow = run_overlap(cfg, sim, 8, 6, 2.0, ceiling)
-    assert 0 < slow["tok_s"] < out["tok_s"] and 0 < slow["learner_busy_fraction"] <= 1
+
+
+def test_a_slow_learner_holds_the_engines_max_versions_ahead_and_ages_their_tokens(small, free_and_real):
+    """The learner on 2 GPUs is slower than 6 engines: it is always busy, the monitor runs the steps asked
+    ahead (up to max_versions beyond the one training) and some batches wait for it, the engines idle once
+    they are that far ahead, and the tokens age up to the bound and past it (masked)."""
+    cfg, _, _ = small
+    _, free, real = free_and_real
+    assert real["learner_busy_fraction"] == pytest.approx(1.0) and real["pause_factor"] == 1.0
+    assert 0 < real["tok_s"] < free["tok_s"] and real["engine_busy_fraction"] < free["engine_busy_fraction"]
+    assert free["batches_waiting_mean"] == 0 < real["batches_waiting_mean"]  # the rollout ran ahead of it
+    assert real["staleness_mean"] > free["staleness_mean"] and real["staleness_max"] > cfg.staleness.max_versions
+    assert 0 < real["masked_token_ratio"] < 0.5 and real["off_policy_token_ratio"] == 1.0
 
 
 def test_the_best_split_is_the_one_with_the_most_trained_tokens_per_second():
     from jobs.simulate import overlap_figures
 
     parts = {"utilization": 0.5, "learner_busy_fraction": 0.5, "period_s": 10.0, "pause_factor": 1.0,
-             "masked_token_ratio": 0.0, "off_policy_token_ratio": 0.5, "staleness_hist": {}, "sim_cpu_s": 0.0}
+             "masked_token_ratio": 0.0, "off_policy_token_ratio": 0.5, "staleness_hist": {}, "sim_cpu_s": 0.0,
+             "staleness_mean": 0.5, "staleness_max": 1, "engine_busy_fraction": 1.0, "batches_waiting_mean": 0.0}
     splits = [parts | {"engines": e, "learner": 8 - e, "tok_s": t} for e, t in [(4, 300.0), (6, 500.0), (7, 400.0)]]
     out = overlap_figures(splits, 200.0)
     assert out["overlap_split"] == {"engines": 6, "learner": 2} and out["overlap_end_to_end_speedup"] == 2.5
