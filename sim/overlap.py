@@ -5,13 +5,14 @@ What is simulated is the job's own loop on the virtual clock: the real `Completi
 store and `EngineWorker`s (`sim.cluster.Schedule`) driven as `driver/train.py` drives them in this mode.
 Each step's batch comes from `CompletionMonitor.step(step, version, keep_running=True)`: it returns at its
 N-th complete group without an interrupt, and its other groups go on generating into the next step. The
-steps are asked for as `RolloutGroup.batch` (driver/rollout.py) asks: once step k's batch is in, the
-steps after it up to k + max(1, `staleness.max_versions`) are asked, each to be trained at the version the
-learner will then be at (V_k + j - k); the monitor runs them one at a time, back to back, so the engines
-run at most max_versions batches ahead of the learner. When they are that far ahead no step collects:
-the running calls finish and nothing new is dispatched until the learner takes the next batch (that
-lookahead is the admission rule modelled; no other one). As in the job, the last step does not keep its
-groups running (`overlaps`: it drains, with the one abort of the run); no checkpoint is simulated.
+steps are asked for as `RolloutGroup.batch` (driver/rollout.py) asks: before waiting for step k's batch,
+the steps after it up to k + max(1, `staleness.max_versions`) are asked, each to be trained at the version
+the learner will then be at (V_k + j - k); the monitor runs them one at a time, back to back, so the
+engines run at most max_versions batches ahead of the learner. When they are that far ahead, the last
+step asked keeps no group running (none is asked after it): it interrupts and stores them, as the
+monitor does in the job, and the engines wait until the learner takes the next batch (that look-ahead is
+the admission rule modelled; no other one). As in the job, the last step drains; no checkpoint is
+simulated.
 
 The learner, beside the monitor on the same clock, trains step k's batch at version k for the learner time
 of its tokens (prompt + response) on its G - E GPUs (`study.learner_s_on`), spends one weight sync
@@ -51,7 +52,7 @@ def splits(gpus: int, gpus_per_engine: int = 1) -> list[dict]:
 
 
 def asked_ahead(step: int, last: int, max_versions: int) -> list[int]:
-    """The steps `RolloutGroup.batch` asks for once `step`'s batch is in (driver/rollout.py): the next ones
+    """The steps `RolloutGroup.batch` asks for before it waits for `step`'s batch (driver/rollout.py): the next ones
     while the one before keeps its groups running (`overlaps`: every step but the last, no checkpoint
     here) and they are at most max(1, max_versions) ahead."""
     ahead = step
@@ -130,10 +131,11 @@ def run_overlap(setting: Setting, rollout, batch: int, n_prime: int, batches: in
 
         version = 0
         for k in range(batches):  # driver/train.py's loop: the batch, the learner's step, the weights out
-            result = await (asked.pop(k, None) or ask(k, version))
+            started = asked.pop(k, None) or ask(k, version)
             for j in asked_ahead(k, batches - 1, lookahead):
                 if j not in asked:
                     asked[j] = ask(j, version + j - k)
+            result = await started
             t0, waiting = loop.time(), sum(t.done() for t in asked.values())
             train = checks.batch(result) * block
             await asyncio.sleep(train * learner_s_per_token + weight_sync_s)

@@ -56,10 +56,12 @@ def free_and_real(small):
 
 
 def test_kept_steps_never_abort_and_lose_nothing(free_and_real):
-    """Only the last step, which drains, aborts; every group is accounted for after it, no sample is
-    trained twice and each has the tokens it was drawn to end with."""
+    """With a learner that never holds the engines back only the last step, which drains, aborts (a step at
+    the look-ahead's end may too, when the learner is slower); every group is accounted for after it, no
+    sample is trained twice and each has the tokens it was drawn to end with."""
+    assert free_and_real[1]["aborts"] == 1
     for out in free_and_real[1:]:
-        assert out["aborts"] == 1 and out["lost_groups"] == 0
+        assert out["aborts"] >= 1 and out["lost_groups"] == 0
         assert out["duplicated_samples"] == 0 and out["samples_with_wrong_length"] == 0
 
 
