@@ -10,7 +10,7 @@ import ray
 from actors.monitor import CompletionMonitorActor
 from actors.prompt_source import PromptSourceActor
 from actors.store import StoreActor
-from april_ray.config import Config, StalenessConfig, TrainConfig, run_seeded
+from april_ray.config import Config, TrainConfig, run_seeded
 from driver.engines import EngineGroup
 
 
@@ -21,7 +21,7 @@ class RolloutGroup:
     monitor: object
     engines: EngineGroup
     ahead: dict = field(default_factory=dict)
-    """Overlapped mode: the rollout steps asked for before their turn, by step."""
+    """Overlapped mode: the rollout step asked for before its turn, by step."""
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, train_path: str, engines: EngineGroup) -> "RolloutGroup":
@@ -39,18 +39,18 @@ class RolloutGroup:
         """One rollout step, started and waited for: a `StepResult` of sample refs."""
         return self.result(self.begin(step, version, keep_running))
 
-    def batch(self, step: int, version: int, train: TrainConfig, staleness: StalenessConfig):
-        """The batch `step` trains at `version`. Overlapped (train.overlap): the rollouts of the steps after
-        it are asked for too, as far as their tokens stay within the staleness bound when trained (the
-        engines serve `version` or later from now on, and each step trains one version later) and no step
-        before a checkpoint is passed; they run while this batch trains. The last step asked stops its
-        groups when it ends, unless the next one was asked meanwhile (`CompletionMonitor.step`)."""
+    def batch(self, step: int, version: int, train: TrainConfig):
+        """The batch `step` trains at `version`. Overlapped (train.overlap, unless a checkpoint or the end
+        follows `step`): the next step's rollout is asked for before this batch is waited for, so it runs
+        while this batch trains, and it goes on with this step's running groups. One step ahead, no more:
+        the batch after it is asked for only once this one trains, and a step that ends with none asked
+        after it stops its groups (`CompletionMonitor.step`), so the engines never generate for a batch
+        more than one version ahead of the learner; what spills over into later steps is held to
+        staleness.max_versions per token when trained. (A deeper look-ahead kept the engines as busy on
+        two shared cores and masked up to 87% of a batch's tokens as too old: BENCHMARKS.md.)"""
         started = self.ahead.pop(step, None) or self.begin(step, version, overlaps(train, step))
-        ahead = step
-        while overlaps(train, ahead) and ahead - step < max(1, staleness.max_versions):
-            ahead += 1
-            if ahead not in self.ahead:
-                self.ahead[ahead] = self.begin(ahead, version + ahead - step, overlaps(train, ahead))
+        if overlaps(train, step):
+            self.ahead[step + 1] = self.begin(step + 1, version + 1, overlaps(train, step + 1))
         return self.result(started)
 
     def begin(self, step: int, version: int, keep_running: bool = False):

@@ -51,8 +51,8 @@ def train(cfg) -> dict:
     for step in range(run.start, cfg.train.num_steps):
         clock.start()
         evaluated = None  # this step's held-out metrics, when it evaluates
-        batch = rollout.batch(step, version, cfg.train, cfg.staleness)  # APRIL rollout, refs; overlapped: the
-        clock.mark("rollout")                                          # next steps' rollouts run meanwhile
+        batch = rollout.batch(step, version, cfg.train)  # APRIL rollout, refs; overlapped: the next step's
+        clock.mark("rollout")                           # rollout runs while this batch trains
         stats = engines.stats()
         metrics = batch.metrics | staleness_metrics(batch.staleness, cfg.staleness) | engines.occupancy_metrics(stats)
         with stop_if_a_rank_dies(out, step):

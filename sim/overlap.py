@@ -6,12 +6,11 @@ store and `EngineWorker`s (`sim.cluster.Schedule`) driven as `driver/train.py` d
 Each step's batch comes from `CompletionMonitor.step(step, version, keep_running=True)`: it returns at its
 N-th complete group without an interrupt, and its other groups go on generating into the next step. The
 steps are asked for as `RolloutGroup.batch` (driver/rollout.py) asks: before waiting for step k's batch,
-the steps after it up to k + max(1, `staleness.max_versions`) are asked, each to be trained at the version
-the learner will then be at (V_k + j - k); the monitor runs them one at a time, back to back, so the
-engines run at most max_versions batches ahead of the learner. When they are that far ahead, the last
-step asked keeps no group running (none is asked after it): it interrupts and stores them, as the
-monitor does in the job, and the engines wait until the learner takes the next batch (that look-ahead is
-the admission rule modelled; no other one). As in the job, the last step drains; no checkpoint is
+step k + 1 is asked, to be trained at version V_k + 1; the monitor runs the steps one at a time, back to
+back, so the engines run at most one batch ahead of the learner. When they are that far ahead, step k + 1
+keeps no group running (none is asked after it): it interrupts and stores them, as the monitor does in
+the job, and the engines wait until the learner takes the next batch (that look-ahead is the admission
+rule modelled; no other one). As in the job, the last step drains; no checkpoint is
 simulated.
 
 The learner, beside the monitor on the same clock, trains step k's batch at version k for the learner time
@@ -51,16 +50,11 @@ def splits(gpus: int, gpus_per_engine: int = 1) -> list[dict]:
     return out
 
 
-def asked_ahead(step: int, last: int, max_versions: int) -> list[int]:
-    """The steps `RolloutGroup.batch` asks for before it waits for `step`'s batch (driver/rollout.py): the next ones
-    while the one before keeps its groups running (`overlaps`: every step but the last, no checkpoint
-    here) and they are at most max(1, max_versions) ahead."""
-    ahead = step
-    out = []
-    while ahead < last and ahead - step < max(1, max_versions):
-        ahead += 1
-        out.append(ahead)
-    return out
+def asked_ahead(step: int, last: int) -> list[int]:
+    """The steps `RolloutGroup.batch` asks for before it waits for `step`'s batch (driver/rollout.py): the
+    next one, while `step` keeps its groups running (`overlaps`: every step but the last, no checkpoint
+    here)."""
+    return [step + 1] if step < last else []
 
 
 @dataclasses.dataclass
@@ -71,8 +65,8 @@ class Batch:
     train_tokens: int
     staleness: dict[int, int]
     waiting: int
-    """Batches of the steps asked ahead already complete when the learner took this one: how far the
-    rollout ran ahead of the learner (0: the learner waited for the engines)."""
+    """1 when the batch was complete before the learner came for it (the rollout ran ahead of the learner),
+    0 when the learner waited for the engines."""
 
 
 class Checks:
@@ -105,7 +99,6 @@ def run_overlap(setting: Setting, rollout, batch: int, n_prime: int, batches: in
     GPUs. Figures over the measured steps."""
     block = setting.workload.block
     rollout = dataclasses.replace(rollout, schedule="april", rollout_batch_size=batch, over_sampling_batch_size=n_prime)
-    lookahead = setting.staleness.max_versions
 
     async def main(loop: VirtualLoop) -> dict:
         loop.clocked.add(CONTROL_PLANE)
@@ -132,18 +125,19 @@ def run_overlap(setting: Setting, rollout, batch: int, n_prime: int, batches: in
         version = 0
         for k in range(batches):  # driver/train.py's loop: the batch, the learner's step, the weights out
             started = asked.pop(k, None) or ask(k, version)
-            for j in asked_ahead(k, batches - 1, lookahead):
+            for j in asked_ahead(k, batches - 1):
                 if j not in asked:
                     asked[j] = ask(j, version + j - k)
+            ready = started.done()  # the rollout was ahead: the learner did not wait for this batch
             result = await started
-            t0, waiting = loop.time(), sum(t.done() for t in asked.values())
+            t0 = loop.time()
             train = checks.batch(result) * block
             await asyncio.sleep(train * learner_s_per_token + weight_sync_s)
             version += 1
             for w in sched.pool.workers:  # in flight: from the engines' next step boundary
                 w.update_weights(None, version)
             done.append(Batch(t0, loop.time(), result.metrics["rollout/trained_tokens"] * block, train,
-                              result.staleness, waiting))
+                              result.staleness, int(ready)))
             if k == warmup - 1:
                 base = busy_s()
         busy = busy_s() - base

@@ -30,12 +30,11 @@ def test_the_splits_give_the_learner_a_halving_share_in_whole_engines():
 
 
 def test_the_steps_asked_ahead_are_those_of_the_job():
-    """As RolloutGroup.batch: after step k's batch, the next steps up to k + max(1, max_versions), none past
-    the last (the one that drains)."""
+    """As RolloutGroup.batch: before step k's batch is waited for, step k + 1, none past the last (the one
+    that drains)."""
     from sim.overlap import asked_ahead
 
-    assert asked_ahead(0, 9, 4) == [1, 2, 3, 4] and asked_ahead(7, 9, 4) == [8, 9] and asked_ahead(9, 9, 4) == []
-    assert asked_ahead(3, 9, 0) == [4] and asked_ahead(3, 9, 1) == [4]
+    assert asked_ahead(0, 9) == [1] and asked_ahead(8, 9) == [9] and asked_ahead(9, 9) == []
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +85,10 @@ def test_with_a_free_learner_the_overlapped_mode_is_its_engines_alone(small, fre
         out["utilization"] * 6 / (sync["unmasked_utilization"] * 8))
 
 
-def test_a_slow_learner_holds_the_engines_max_versions_ahead_and_ages_their_tokens(small, free_and_real):
-    """The learner on 2 GPUs is slower than 6 engines: it is always busy, the monitor runs the steps asked
-    ahead (up to max_versions beyond the one training) and some batches wait for it, the engines idle once
-    they are that far ahead, and the tokens age up to the bound and past it (masked)."""
+def test_a_slow_learner_holds_the_engines_one_batch_ahead_and_ages_their_tokens(small, free_and_real):
+    """The learner on 2 GPUs is slower than 6 engines: it is always busy, batches wait for it, the engines
+    idle once they are one batch ahead, and the tokens of groups spilling into later steps age up to the
+    bound and past it (masked)."""
     cfg, _, _ = small
     _, free, real = free_and_real
     assert real["learner_busy_fraction"] == pytest.approx(1.0) and real["pause_factor"] == 1.0
