@@ -33,3 +33,13 @@ def test_roles_windows_and_interpolation():
     rows = [{"time/wall_s": 1.0}, {"time/wall_s": 3.0, "time/eval_s": 0.5}, {"time/wall_s": 4.0}]
     assert training_windows(rows, 10.0) == [(10.0, 11.0), (11.0, 12.5), (13.0, 14.0)]
     assert per_step({"engines": 4.0, "learner": 2.0, "other": 2.0, "machine": 10.0}, 2)["engines"] == 2.0
+
+
+def test_a_worker_that_becomes_an_actor_takes_the_actors_role():
+    with JobCpu(period_s=0.2) as cpu:
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import os, sys, time; time.sleep(0.6); "
+                        "os.execv('/bin/bash', ['bash', '-c', 'exec -a ray::LearnerActor.train ' + sys.executable "
+                        "+ ' -c \"$0\"', sys.argv[1]])", BUSY], check=True)
+        t1 = time.perf_counter()
+    assert cpu.within([(t0, t1)])["learner"] >= 0.4

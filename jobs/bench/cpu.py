@@ -23,7 +23,9 @@ ROLES = {"ray::EngineWorkerActor": "engines", "ray::LearnerActor": "learner"}
 
 
 def role_of(title: str) -> str | None:
-    """The role a process title names; None for an idle Ray worker (not yet an actor: look again later)."""
+    """The role a process title names; None for an idle Ray worker (not yet an actor: look again later).
+    A worker's title names its actor only once the actor is placed on it (before: `python ...
+    default_worker.py`, then `ray::IDLE`), so a process's role is the last one seen until it names one."""
     if title.startswith("ray::IDLE"):
         return None
     return next((role for prefix, role in ROLES.items() if title.startswith(prefix)), "other")
@@ -103,8 +105,8 @@ class JobCpu:
                 self.procs[key] = (role, series)
             old_role, series = self.procs[key]
             series.add(now, seconds)
-            if old_role is None:
-                self.procs[key] = (role, series)
+            if old_role not in ("engines", "learner"):  # a worker starting up or idle is not yet its actor
+                self.procs[key] = (role or old_role, series)
         self.last_t = now
 
     def within(self, windows: list[tuple[float, float]]) -> dict[str, float]:
