@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from april_ray.config import load_config
-from jobs.bench.train import (accuracy_at, configured_factor, late_accuracy, mode_configs, report, reused_runs,
-                              time_to)
+from jobs.bench.train import (accuracy_at, configured_factor, late_accuracy, mode_configs, parse_modes, report,
+                              reused_runs, table, time_to)
 from tests.conftest import USER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,3 +107,33 @@ def test_bench_train_json_keys_on_a_tiny_run(tmp_path, random_model_dir):
         assert list(m["accuracy_by_step"]) == ["0", "1", "2"]
     assert r["april_2"] == r["april"]  # N'/N = 2 is the configured 8 / 4: the same runs, not run twice
     assert r["sync"]["off_policy_token_ratio"]["max"] == 0.0
+
+
+def test_modes_make_an_overlap_config_and_refuse_unknown_names():
+    cfg = load_config(None, ["rollout.rollout_batch_size=16", "rollout.over_sampling_batch_size=24"])
+    modes = mode_configs(cfg, [2], parse_modes("sync,april,overlap"))
+    assert list(modes) == ["sync", "april", "overlap", "april_2"]
+    assert modes["overlap"].train.overlap and modes["overlap"].rollout.schedule == "april"
+    assert modes["overlap"].rollout.over_sampling_batch_size == 24
+    assert not modes["april"].train.overlap and not modes["sync"].train.overlap
+    assert list(mode_configs(cfg, [], parse_modes("sync,april"))) == ["sync", "april"]
+    with pytest.raises(SystemExit, match="--modes: async"):
+        parse_modes("sync,async")
+
+
+def test_report_with_an_overlap_mode_gives_its_ratios_and_idle_shares():
+    def idle(rec, engine, learner):
+        return rec | {"engine_idle_fraction": engine, "learner_idle_fraction": learner}
+
+    runs = {"sync": [idle(record([(0, 0.3), (60, 0.36)]), 0.5, 0.6), idle(record([(0, 0.3), (80, 0.36)]), 0.4, 0.7)],
+            "april": [idle(record([(0, 0.3), (40, 0.36)]), 0.3, 0.5), idle(record([(0, 0.3), (60, 0.36)]), 0.3, 0.5)],
+            "overlap": [idle(record([(0, 0.3), (20, 0.36)]), 0.05, 0.2), idle(record([(0, 0.3), (40, 0.36)]), 0.09, 0.4)]}
+    r = report([0, 1], 0.35, 1024, runs, [30])
+    # time to target medians: sync 70, APRIL 50, overlapped 30
+    assert r["speedup_overlap"] == pytest.approx(70 / 30) and r["overlap_over_april"] == pytest.approx(50 / 30)
+    assert r["speedup"] == pytest.approx(70 / 50) and "speedup_overlap" not in r["overlap"]
+    assert r["overlap"]["engine_idle_fraction"] == {"median": pytest.approx(0.07), "min": 0.05, "max": 0.09}
+    assert r["overlap"]["engine_idle_fractions"] == [0.05, 0.09]
+    assert r["sync"]["learner_idle_fraction"]["median"] == pytest.approx(0.65)
+    assert r["sync"]["learner_idle_fractions"] == [0.6, 0.7]
+    assert "| overlap | 30 [20, 40] |" in table(r) and "| 0.07 | 0.30 |" in table(r)

@@ -1,10 +1,15 @@
-"""Training benchmark: the synchronous baseline and APRIL (at one or several N'/N) over several seeds.
+"""Training benchmark: the synchronous baseline, APRIL (at one or several N'/N) and the overlapped mode
+over several seeds.
 
-    python -m jobs.bench.train --config configs/tiny_cpu.yaml --seeds K --json PATH [--factors 1,1.5,2,3,auto]
-        [--target ACC | --gain G] [--budgets S1,S2,...] [--first-seed S] [--reuse EARLIER_JSON] [key=value ...]
+    python -m jobs.bench.train --config configs/tiny_cpu.yaml --seeds K --json PATH [--modes sync,april,overlap]
+        [--factors 1,1.5,2,3,auto] [--target ACC | --gain G] [--budgets S1,S2,...] [--first-seed S]
+        [--reuse EARLIER_JSON] [key=value ...]
 
-For each seed the modes' jobs run one after the other (round-robin by seed: sync, APRIL, APRIL at each
-factor, then the next seed), so a machine whose load drifts slows every mode alike. A seed sets
+`--modes` (default sync,april): `sync` (N' = N, no partial rollouts), `april` (APRIL as configured) and
+`overlap` (APRIL as configured with train.overlap=true: the learner trains while the engines go on
+generating); `--factors` adds APRIL at each N'/N. For each seed the modes' jobs run one after the other
+(round-robin by seed: every mode in that order, then the next seed), so a machine whose load drifts slows
+every mode alike. A seed sets
 `train.seed` (learner, prompt order) and `engine.seed` (sampling); the data and the warm-up model stay.
 Times are training wall time (rollout + learner + weight sync; evaluation excluded). Per mode it reports
 the median and range over seeds of: time to the target accuracy (a seed that never reaches it counts its
@@ -13,7 +18,11 @@ and greedy), late accuracy (the mean over the evaluations in the run's last thir
 sampling noise and the policy's swing from one evaluation to the next average out), the off-policy token
 ratio, the share of tokens masked as stale, staleness (mean, max, histogram), the step's phase times and
 the N'/N used (`--factors auto`: the adaptive N', mode `april_auto`; each run's mean and last factor are
-in its record).
+in its record), the engines' and the learner's idle shares of the job's wall time, and the CPU seconds
+per step of the engines' processes, the learner's and the rest of the job (`jobs/bench/cpu.py`), with
+the step time they imply at the least on this machine's cores (`floor_s`). `speedup`, `speedup_<factor>`
+and `speedup_overlap` are sync's median time to target over the mode's; `overlap_over_april` is APRIL's
+over the overlapped mode's.
 The target defaults to the mean accuracy before training plus `--gain`; `eval_standard_error` is one
 evaluation's sampling noise at that accuracy, sqrt(p (1 - p) / task.num_eval).
 
@@ -27,13 +36,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
+import time
 from pathlib import Path
 
-from april_ray.config import over_sampling_batch_size, with_rollout
+from april_ray.config import over_sampling_batch_size, validate, with_rollout
 from april_ray.placement import plan
 from driver.cluster import init_ray
 from driver.train import train
+from jobs.bench.cpu import JobCpu, per_step, training_windows
 from jobs.common import parse, write_result
 
 
@@ -59,17 +71,32 @@ def mode_name(factor: float | str) -> str:
     return f"april_{factor}" if factor == "auto" else f"april_{factor:g}"
 
 
-def mode_configs(cfg, factors: list[float | str]) -> dict[str, object]:
-    """sync (N' = N, no partial rollouts), APRIL as configured, and APRIL at N' = factor x N per factor
-    (auto: the adaptive N')."""
-    n = cfg.rollout.rollout_batch_size
+MODES = ("sync", "april", "overlap")
 
-    modes = {"sync": with_rollout(cfg, schedule="sync", over_sampling_batch_size=n),
-             "april": with_rollout(cfg, schedule="april")}
-    for f in factors:
-        if n_prime(f, n) != cfg.rollout.over_sampling_batch_size:  # else it is `april`'s run
-            modes[mode_name(f)] = with_rollout(cfg, schedule="april", over_sampling_batch_size=n_prime(f, n))
+
+def parse_modes(text: str) -> list[str]:
+    modes = [m for m in text.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise SystemExit(f"--modes: {','.join(unknown) or 'none given'}: expected a comma list of {', '.join(MODES)}")
     return modes
+
+
+def mode_configs(cfg, factors: list[float | str], modes: list[str] = ("sync", "april")) -> dict[str, object]:
+    """The modes asked, in order: sync (N' = N, no partial rollouts), APRIL as configured, the overlapped
+    mode (APRIL as configured with train.overlap=true); then APRIL at N' = factor x N per factor (auto: the
+    adaptive N')."""
+    n = cfg.rollout.rollout_batch_size
+    april = with_rollout(cfg, schedule="april")
+    made = {"sync": lambda: with_rollout(cfg, schedule="sync", over_sampling_batch_size=n),
+            "april": lambda: april,
+            "overlap": lambda: validate(dataclasses.replace(april, train=dataclasses.replace(april.train,
+                                                                                            overlap=True)))}
+    configs = {m: made[m]() for m in modes}
+    for f in factors:
+        if n_prime(f, n) != cfg.rollout.over_sampling_batch_size or "april" not in configs:  # else `april`'s run
+            configs[mode_name(f)] = with_rollout(cfg, schedule="april", over_sampling_batch_size=n_prime(f, n))
+    return configs
 
 
 def configured_factor(cfg, factors: list[float | str]) -> str | None:
@@ -110,8 +137,10 @@ def bench_config(cfg) -> dict:
     return json.loads(json.dumps(c, default=str))
 
 
-def run_record(summary: dict, eval_every: int) -> dict:
-    """What the bench keeps of one job: its summary, and per-step averages from its metrics.jsonl."""
+def run_record(summary: dict, eval_every: int, cpu: JobCpu | None = None, t0: float | None = None) -> dict:
+    """What the bench keeps of one job: its summary, and per-step averages from its metrics.jsonl; with
+    `cpu` (sampled while it ran) and `t0` (the perf_counter instant its training loop started), the CPU
+    seconds per step of its roles in the training loop, evaluations excluded."""
     rows = [json.loads(line) for line in (Path(summary["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/version" in r]
     hist: dict[str, float] = {}
@@ -136,7 +165,10 @@ def run_record(summary: dict, eval_every: int) -> dict:
                                      "last": steps[-1].get("rollout/over_sampling_factor", 0.0) if steps else 0.0},
             "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
             "phase_s_per_step": {k: mean(f"time/{k}") for k in ("rollout_s", "learner_s", "weight_sync_s")},
-            "rollout_share": rollout_share(summary["time_s"])}
+            "rollout_share": rollout_share(summary["time_s"]),
+            "engine_idle_fraction": summary["engine_idle_fraction"],
+            "learner_idle_fraction": summary["learner_idle_fraction"]} | (
+        {} if cpu is None else {"cpu_s_per_step": per_step(cpu.within(training_windows(steps, t0)), len(steps))})
 
 
 def late_accuracy(rec: dict) -> float:
@@ -190,6 +222,12 @@ def summarize(runs: dict[str, list[dict]], target: float, budgets: list[float]) 
                                for age in sorted({a for r in recs for a in r["staleness_hist"]}, key=int)},
             "runs": recs,
         }
+        for key in ("engine_idle_fraction", "learner_idle_fraction"):  # runs reused from before lack them
+            if all(key in r for r in recs):
+                out[mode] |= {key: spread([r[key] for r in recs]), f"{key}s": [r[key] for r in recs]}
+        if all("cpu_s_per_step" in r for r in recs):
+            out[mode]["cpu_s_per_step"] = {k: spread([r["cpu_s_per_step"][k] for r in recs])
+                                           for k in recs[0]["cpu_s_per_step"]}
     return out
 
 
@@ -198,24 +236,47 @@ def report(seeds: list[int], target: float, num_eval: int, runs: dict[str, list[
     result = {"seeds": seeds, "target_accuracy": target,
               "eval_standard_error": math.sqrt(target * (1 - target) / num_eval), "budgets_s": budgets}
     result |= summarize(runs, target, budgets)
-    sync_t = result["sync"]["time_to_target_median_s"]
+    ttt = {mode: result[mode]["time_to_target_median_s"] for mode in runs}
     for mode in runs:
-        if mode.startswith("april"):
+        if "sync" in runs and mode.startswith("april"):
             key = "speedup" if mode == "april" else f"speedup_{mode[len('april_'):]}"
-            result[key] = sync_t / result[mode]["time_to_target_median_s"]
+            result[key] = ttt["sync"] / ttt[mode]
+    if "overlap" in runs:
+        if "sync" in runs:
+            result["speedup_overlap"] = ttt["sync"] / ttt["overlap"]
+        if "april" in runs:
+            result["overlap_over_april"] = ttt["april"] / ttt["overlap"]
     return result
 
 
 def table(result: dict) -> str:
     lines = ["| mode | time to target (s), median [min, max] | final acc., median [min, max] | late acc., median "
-             "[min, max] | step (s) | rollout share | off-policy |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "[min, max] | step (s) | rollout share | engine idle | learner idle | off-policy |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for mode, m in result.items():
         if isinstance(m, dict) and "time_to_target" in m:
             t, f, late = m["time_to_target"], m["final_accuracy_range"], m["late_accuracy_range"]
             lines.append(f"| {mode} | {t['median']:.0f} [{t['min']:.0f}, {t['max']:.0f}] | {f['median']:.3f} "
                          f"[{f['min']:.3f}, {f['max']:.3f}] | {late['median']:.3f} [{late['min']:.3f}, "
                          f"{late['max']:.3f}] | {m['step_s']['median']:.2f} | "
-                         f"{m['rollout_share']['median']:.2f} | {m['off_policy_token_ratio']['median']:.2f} |")
+                         f"{m['rollout_share']['median']:.2f} | {median(m, 'engine_idle_fraction')} | "
+                         f"{median(m, 'learner_idle_fraction')} | {m['off_policy_token_ratio']['median']:.2f} |")
+    return "\n".join(lines)
+
+
+def median(m: dict, key: str) -> str:
+    return f"{m[key]['median']:.2f}" if key in m else "-"
+
+
+def cpu_table(result: dict) -> str:
+    """CPU seconds per step by role (medians over seeds) and the step time they allow at best on the cores."""
+    lines = [f"| mode | step (s) | engines CPU-s/step | learner CPU-s/step | other CPU-s/step | floor on "
+             f"{os.cpu_count()} cores (s) | whole machine CPU-s/step |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for mode, m in result.items():
+        if isinstance(m, dict) and "cpu_s_per_step" in m:
+            c = {k: v["median"] for k, v in m["cpu_s_per_step"].items()}
+            lines.append(f"| {mode} | {m['step_s']['median']:.2f} | {c['engines']:.2f} | {c['learner']:.2f} | "
+                         f"{c['other']:.2f} | {c['floor_s']:.2f} | {c['machine']:.2f} |")
     return "\n".join(lines)
 
 
@@ -224,6 +285,7 @@ def main() -> None:
         p.add_argument("--json", required=True)
         p.add_argument("--seeds", type=int, default=3, help="K seeds from --first-seed, each runs every mode")
         p.add_argument("--first-seed", type=int, default=0, help="to add seeds to an earlier run's")
+        p.add_argument("--modes", default="sync,april", help="comma list of sync, april, overlap")
         p.add_argument("--factors", default="", help="also APRIL at these N'/N, e.g. 1,1.5,2,3,auto")
         p.add_argument("--target", type=float, default=None, help="held-out accuracy to reach")
         p.add_argument("--gain", type=float, default=0.05, help="target = mean accuracy before + gain")
@@ -233,7 +295,7 @@ def main() -> None:
     cfg, args = parse(__doc__, extra)
     init_ray(plan(cfg))
     factors = [f if f == "auto" else float(f) for f in args.factors.split(",") if f]
-    modes = mode_configs(cfg, factors)
+    modes = mode_configs(cfg, factors, parse_modes(args.modes))
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     reused = reused_runs(args.reuse, bench_config(cfg)) if args.reuse else {}
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
@@ -243,19 +305,22 @@ def main() -> None:
                 runs[mode].append(reused[mode, seed])
                 print(f"seed {seed} {mode}: reused from {args.reuse}", flush=True)
                 continue
-            summary = train(seeded(mode_cfg, mode, seed, Path(cfg.train.output_dir)))
-            runs[mode].append(run_record(summary, cfg.train.eval_every))
+            with JobCpu() as cpu:
+                summary = train(seeded(mode_cfg, mode, seed, Path(cfg.train.output_dir)))
+                t0 = time.perf_counter() - summary["wall_s"]  # the training loop's start
+            runs[mode].append(run_record(summary, cfg.train.eval_every, cpu, t0))
             print(f"seed {seed} {mode}: train {summary['train_s']:.0f} s, accuracy "
                   f"{summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}", flush=True)
-    if configured_factor(cfg, factors):
+    if configured_factor(cfg, factors) and "april" in runs:
         runs[configured_factor(cfg, factors)] = runs["april"]
     before = [r["accuracy_before"] for recs in runs.values() for r in recs]
     target = args.target if args.target is not None else statistics.mean(before) + args.gain
-    sync_wall = statistics.median(r["train_s"] for r in runs["sync"])
+    sync_wall = statistics.median(r["train_s"] for r in runs.get("sync") or next(iter(runs.values())))
     budgets = [float(b) for b in args.budgets.split(",") if b] or [round(sync_wall * q) for q in (0.25, 0.5, 0.75, 1)]
     result = report(seeds, target, cfg.task.num_eval, runs, budgets) | {"config": bench_config(cfg)}
     write_result(args.json, result)
     print(table(result))
+    print(cpu_table(result))
 
 
 if __name__ == "__main__":
