@@ -161,12 +161,3 @@ def check_records(out_dir: Path, n_samples: int) -> dict:
 
 TRAINING_SAMPLE = re.compile(r"e\d+p\d+s\d+")
 """Sample ids of training (epoch, prompt, sample); evaluation's have another form."""
-
-
-def check_tool_calls(path: Path) -> dict:
-    """Tool calls of training episodes run more than once under one key (a call of one trajectory), from an
-    environment's log of its calls (one JSON object per line with `sample` and `call`, the idempotency key
-    the tool got); evaluation episodes are not training's."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    calls = Counter(r["call"] for r in rows if TRAINING_SAMPLE.fullmatch(r["sample"]))
-    return {"tool_calls": sum(calls.values()), "tool_calls_run_twice": sum(c - 1 for c in calls.values() if c > 1)}

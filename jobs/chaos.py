@@ -9,8 +9,10 @@ fall at seeded random moments: K steps drawn at random, and within each a random
 step time so far, so they land mid-decode, mid-abort, mid-weight-update or mid-evaluation. The check reads
 only the job's own records (`groups.jsonl`, driver/records.py): every group taken from the prompt source
 must be returned for training exactly once, dropped by the filter, or left in the store, with each of its
-samples once; no trained token may be older than the staleness bound; and no tool call of an episode may
-have run twice for one (sample, turn) (the embedded agent task logs its calls to $APRIL_RAY_TOOL_LOG).
+samples once; no trained token may be older than the staleness bound; and no tool call of an episode whose
+result was journaled may run again for its trajectory (the embedded agent task logs its calls to
+$APRIL_RAY_TOOL_LOG; a call cut off by a kill before its result was journaled, and run again by the
+replayed trajectory under the same idempotency key, is counted apart: `tool_calls_rerun_unjournaled`).
 
 `--driver-kills N` kills the driver instead and resumes it (jobs/chaos_driver.py).
 
@@ -29,7 +31,8 @@ from pathlib import Path
 
 from jobs.common import write_result
 from april_ray.config import ConfigError, add_config_args, config_from_args
-from driver.records import check_records, check_tool_calls, read_rows
+from driver.records import check_records, read_rows
+from jobs.chaos_driver import ToolRecords, run_driver_kills, tool_calls_across_kills
 
 DEFAULTS = ["train.num_steps=30", "task.num_eval=128", "train.eval_every=10", "train.output_dir=outputs/chaos",
             "logging.wandb_mode=disabled"]
@@ -73,6 +76,8 @@ class EngineKiller(threading.Thread):
         self.done: list[dict] = []
         self.stop = threading.Event()
         self.first_row_s: float | None = None
+        self.tools: list[ToolRecords] = []
+        """The tool runs and the journal as each kill left them: what a replayed episode finds there."""
 
     def steps_done(self) -> tuple[int, float]:
         """(steps recorded so far, mean seconds per step since the first one was seen)."""
@@ -105,6 +110,8 @@ class EngineKiller(threading.Thread):
                     continue
                 self.done.append({"after_step": at, "pid": pid, "t": time.time()})
                 print(f"chaos: SIGKILL engine process {pid} after step {at}", flush=True)
+                time.sleep(0.5)  # a journal write the engine sent just before has landed; a replay is ~1 s away
+                self.tools.append(ToolRecords.read(self.out_dir))
                 return
             time.sleep(0.2)
 
@@ -134,7 +141,8 @@ def run_engine_kills(cfg, args) -> dict:
               "staleness_policy": cfg.staleness.policy, "wall_s": time.time() - t0,
               "accuracy_before": summary.get("accuracy_before"), "accuracy_after": summary.get("accuracy_after"),
               "engine_restarts": last_metric(out, "engine/restarts"), "error": error}
-    result |= check_records(out, cfg.rollout.n_samples_per_prompt) | check_tool_calls(tool_log)
+    result |= check_records(out, cfg.rollout.n_samples_per_prompt)
+    result |= tool_calls_across_kills(ToolRecords.read(out), killer.tools)
     bounded = cfg.staleness.trains(result["max_trained_staleness"])
     result["ok"] = (error is None and result["steps_completed"] == result["steps"] and not result["lost_samples"]
                     and not result["duplicated_samples"] and bounded and not result["tool_calls_run_twice"])
@@ -168,11 +176,6 @@ def main() -> None:
     if args.kills or not args.driver_kills:
         result |= run_engine_kills(cfg, args)
     if args.driver_kills:
-        try:
-            from jobs.chaos_driver import run_driver_kills
-        except ImportError as e:
-            raise SystemExit(f"--driver-kills needs jobs/chaos_driver.py (run_driver_kills), which is not "
-                             f"importable here: {e}")
         driver = run_driver_kills(cfg, args)
         ok = result.get("ok", True) and driver.get("ok", True)
         result |= driver  # with both modes, the shared keys (steps, steps_completed) are the driver run's
