@@ -1,8 +1,14 @@
 import functools
+import json
 import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[1]
 USER_ENV = dict(os.environ)
 """The environment pytest was started in: what a user's job would get. A test that starts a job in a
 subprocess passes this (`user_env`), not the test process's, which importing `jobs` has changed."""
@@ -115,7 +121,48 @@ def head_job(tmp_path_factory, model_dir):
         "task.reward_fn=tests.slow_reward:countdown_after_a_pause"])
 
 
-SHARED_JOBS = {"two_rank_run": two_rank_job, "http_run": http_job, "watched_job": head_job}
+@dataclass
+class ResumedRun:
+    out: Path
+    """train.output_dir, after both jobs."""
+    first: subprocess.CompletedProcess
+    second: subprocess.CompletedProcess | None
+    """The resume; None when the first job failed."""
+    summary: dict | None
+    """What the first job left before the resume: its summary, latest checkpoint, metrics.jsonl, a copy
+    of that checkpoint's weights, and its wandb offline runs."""
+    latest: str = ""
+    metrics: str = ""
+    policy: Path | None = None
+    wandb_runs: list = field(default_factory=list)
+
+
+def resumed_job(tmp_path_factory, model_dir) -> ResumedRun:
+    """tiny_cpu.yaml for three steps, then resumed to six in the same output directory (test_train_job)."""
+    from tests.local_job import SMALL, train_command
+
+    tmp = tmp_path_factory.mktemp("resumed-job")
+    out = tmp / "out"
+
+    def train(*overrides):
+        cmd = train_command("configs/tiny_cpu.yaml", model_dir, tmp, *SMALL, "train.eval_every=2",
+                            "train.save_every=2", *overrides)
+        return subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
+                              timeout=600)
+
+    first = train("train.num_steps=3")
+    if first.returncode != 0:
+        return ResumedRun(out, first, None, None)
+    latest = (out / "latest").read_text().strip()
+    policy = tmp / "first-policy.safetensors"
+    shutil.copyfile(out / latest / "policy" / "model.safetensors", policy)
+    run = ResumedRun(out, first, None, json.loads((tmp / "summary.json").read_text()), latest,
+                     (out / "metrics.jsonl").read_text(), policy, list(out.glob("wandb/offline-run-*")))
+    run.second = train("train.num_steps=6", "train.resume=true")
+    return run
+
+
+SHARED_JOBS = {"two_rank_run": two_rank_job, "http_run": http_job, "watched_job": head_job, "resumed_run": resumed_job}
 """Session fixtures whose jobs start ahead of the tests that read them (tests/prefetch.py)."""
 
 
@@ -150,3 +197,8 @@ def http_run(prefetched, tmp_path_factory, random_model_dir):
 @pytest.fixture(scope="session")
 def watched_job(prefetched, tmp_path_factory, random_model_dir):
     return _shared("watched_job", prefetched, tmp_path_factory, random_model_dir)
+
+
+@pytest.fixture(scope="session")
+def resumed_run(prefetched, tmp_path_factory, random_model_dir):
+    return _shared("resumed_run", prefetched, tmp_path_factory, random_model_dir)
