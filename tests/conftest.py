@@ -1,7 +1,14 @@
+import functools
+import json
 import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[1]
 USER_ENV = dict(os.environ)
 """The environment pytest was started in: what a user's job would get. A test that starts a job in a
 subprocess passes this (`user_env`), not the test process's, which importing `jobs` has changed."""
@@ -72,8 +79,7 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def two_rank_run(tmp_path_factory, random_model_dir):
+def two_rank_job(tmp_path_factory, model_dir):
     """tiny_cpu.yaml with two DeepSpeed ZeRO-2 learner ranks over gloo, three steps, run once: test_train_job
     checks its training, test_listeners the sockets its processes listened on (rank 0 hosts the rendezvous
     store), with the hostname resolving to the machine's LAN address where that can be arranged."""
@@ -81,26 +87,24 @@ def two_rank_run(tmp_path_factory, random_model_dir):
 
     tmp = tmp_path_factory.mktemp("two-rank-job")
     cmd, address = on_lan_hostname(train_command(
-        "configs/tiny_cpu.yaml", random_model_dir, tmp, *SMALL, "train.eval_every=2", "train.save_every=2",
+        "configs/tiny_cpu.yaml", model_dir, tmp, *SMALL, "train.eval_every=2", "train.save_every=2",
         "train.num_steps=3", "learner.num_ranks=2", "learner.zero_stage=2"), tmp)
     return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""}, hostname_address=address)
 
 
-@pytest.fixture(scope="session")
-def http_run(tmp_path_factory, random_model_dir):
+def http_job(tmp_path_factory, model_dir):
     """tiny_cpu_http.yaml, three steps, run once: test_http_train checks its training, test_listeners the
     sockets its processes listened on (the engines' HTTP servers, the weight broadcast group), with the
     hostname resolving to the machine's LAN address where that can be arranged."""
     from tests.local_job import SMALL, on_lan_hostname, run_job, train_command
 
     tmp = tmp_path_factory.mktemp("http-job")
-    cmd, address = on_lan_hostname(train_command("configs/tiny_cpu_http.yaml", random_model_dir, tmp, *SMALL,
+    cmd, address = on_lan_hostname(train_command("configs/tiny_cpu_http.yaml", model_dir, tmp, *SMALL,
                                                  "train.num_steps=3", "train.eval_every=2", "train.save_every=3"), tmp)
     return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""}, hostname_address=address)
 
 
-@pytest.fixture(scope="session")
-def watched_job(tmp_path_factory, random_model_dir):
+def head_job(tmp_path_factory, model_dir):
     """tiny_cpu.yaml on the random tiny model, four steps submitted to a `ray start --head` that exports its
     metrics every second, each step paused past two export intervals by a slow reward (no over-sampling, so
     that no step is served from groups an earlier one finished), watched by its metrics endpoint and
@@ -110,8 +114,91 @@ def watched_job(tmp_path_factory, random_model_dir):
 
     work = tmp_path_factory.mktemp("head-job")
     return watch_job(work, [
-        f"--config configs/tiny_cpu.yaml model.path={random_model_dir} model.cache_dir={work}",
+        f"--config configs/tiny_cpu.yaml model.path={model_dir} model.cache_dir={work}",
         "train.num_steps=4 train.eval_every=2 task.num_eval=32",
         "rollout.rollout_batch_size=4 rollout.over_sampling_batch_size=4 rollout.n_samples_per_prompt=4",
         "sampling.max_response_len=64 learner.backend=torch logging.wandb_mode=disabled logging.tensorboard=true",
         "task.reward_fn=tests.slow_reward:countdown_after_a_pause"])
+
+
+@dataclass
+class ResumedRun:
+    out: Path
+    """train.output_dir, after both jobs."""
+    first: subprocess.CompletedProcess
+    second: subprocess.CompletedProcess | None
+    """The resume; None when the first job failed."""
+    summary: dict | None
+    """What the first job left before the resume: its summary, latest checkpoint, metrics.jsonl, a copy
+    of that checkpoint's weights, and its wandb offline runs."""
+    latest: str = ""
+    metrics: str = ""
+    policy: Path | None = None
+    wandb_runs: list = field(default_factory=list)
+
+
+def resumed_job(tmp_path_factory, model_dir) -> ResumedRun:
+    """tiny_cpu.yaml for three steps, then resumed to six in the same output directory (test_train_job)."""
+    from tests.local_job import SMALL, train_command
+
+    tmp = tmp_path_factory.mktemp("resumed-job")
+    out = tmp / "out"
+
+    def train(*overrides):
+        cmd = train_command("configs/tiny_cpu.yaml", model_dir, tmp, *SMALL, "train.eval_every=2",
+                            "train.save_every=2", *overrides)
+        return subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
+                              timeout=600)
+
+    first = train("train.num_steps=3")
+    if first.returncode != 0:
+        return ResumedRun(out, first, None, None)
+    latest = (out / "latest").read_text().strip()
+    policy = tmp / "first-policy.safetensors"
+    shutil.copyfile(out / latest / "policy" / "model.safetensors", policy)
+    run = ResumedRun(out, first, None, json.loads((tmp / "summary.json").read_text()), latest,
+                     (out / "metrics.jsonl").read_text(), policy, list(out.glob("wandb/offline-run-*")))
+    run.second = train("train.num_steps=6", "train.resume=true")
+    return run
+
+
+SHARED_JOBS = {"two_rank_run": two_rank_job, "http_run": http_job, "watched_job": head_job, "resumed_run": resumed_job}
+"""Session fixtures whose jobs start ahead of the tests that read them (tests/prefetch.py)."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefetched(request, tmp_path_factory):
+    from tests.prefetch import Prefetch, first_asked
+
+    prefetch = Prefetch()
+    order = first_asked(SHARED_JOBS, request.session.items)
+    if order:
+        model_dir = request.getfixturevalue("random_model_dir")
+        for name in order:
+            prefetch.submit(name, functools.partial(SHARED_JOBS[name], tmp_path_factory, model_dir))
+    yield prefetch
+    prefetch.close()
+
+
+def _shared(name: str, prefetched, tmp_path_factory, model_dir):
+    return prefetched.result(name, functools.partial(SHARED_JOBS[name], tmp_path_factory, model_dir))
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(prefetched, tmp_path_factory, random_model_dir):
+    return _shared("two_rank_run", prefetched, tmp_path_factory, random_model_dir)
+
+
+@pytest.fixture(scope="session")
+def http_run(prefetched, tmp_path_factory, random_model_dir):
+    return _shared("http_run", prefetched, tmp_path_factory, random_model_dir)
+
+
+@pytest.fixture(scope="session")
+def watched_job(prefetched, tmp_path_factory, random_model_dir):
+    return _shared("watched_job", prefetched, tmp_path_factory, random_model_dir)
+
+
+@pytest.fixture(scope="session")
+def resumed_run(prefetched, tmp_path_factory, random_model_dir):
+    return _shared("resumed_run", prefetched, tmp_path_factory, random_model_dir)

@@ -91,7 +91,10 @@ def test_bench_train_json_keys_on_a_tiny_run(tmp_path, random_model_dir):
            "task.num_eval=16", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
            "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24", "engine.max_model_len=64",
            "algorithm.overlong_buffer=8", "train.num_steps=2", "train.eval_every=1", "train.save_every=100",
-           "train.eval_greedy=false", "logging.wandb_mode=disabled", "logging.dashboard=false"]
+           "train.eval_greedy=false", "logging.wandb_mode=disabled", "logging.dashboard=false",
+           # the report's keys do not depend on the learner's backend or the number of engines: the fewest
+           # processes to start, four times over
+           "learner.backend=torch", "engine.num_engines=1"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -23,7 +23,9 @@ def test_a_killed_driver_resumes_with_every_prompt_consumed_once(tmp_path, rando
                  "task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=4",
                  "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4", "sampling.max_response_len=200",
                  "engine.max_model_len=256", "algorithm.overlong_buffer=8", "learner.lr=1e-3", "train.num_steps=6",
-                 "train.eval_every=100", "train.save_every=1", "logging.wandb_mode=disabled", "logging.dashboard=false"]
+                 "train.eval_every=100", "train.save_every=1", "logging.wandb_mode=disabled", "logging.dashboard=false",
+                 "learner.backend=torch"]
+    # the torch learner: no DeepSpeed engine to set up in each run (what is checked does not depend on it)
     # A checkpoint every step: the kill, a random part of a step after a step's row, may land while that
     # step's checkpoint is still being written, and the resume must still find the one before it. Long
     # responses: groups finish far apart, so each checkpoint's store holds partial groups (at 24 tokens

@@ -6,34 +6,24 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from tests.conftest import USER_ENV
-from tests.local_job import SMALL, train_command
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_train(tmp_path, model_dir, *overrides):
-    cmd = train_command("configs/tiny_cpu.yaml", model_dir, tmp_path, *SMALL, "train.eval_every=2",
-                        "train.save_every=2", *overrides)
-    env = {**USER_ENV, "RAY_ADDRESS": ""}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(Path(f"{tmp_path}/summary.json").read_text()), proc
-
-
-def test_train_steps_change_weights_advance_versions_and_resume(tmp_path, random_model_dir):
-    summary, _ = run_train(tmp_path, random_model_dir, "train.num_steps=3")
-    out = tmp_path / "out"
+def test_train_steps_change_weights_advance_versions_and_resume(resumed_run, random_model_dir):
+    """Three steps, then a resume to six in the same output directory (conftest.py's `resumed_run`)."""
+    first, second = resumed_run.first, resumed_run.second
+    assert first.returncode == 0, first.stderr[-4000:]
+    summary = resumed_run.summary
     assert summary["steps"] == 3 and summary["final_version"] == 3
     assert {"accuracy_before", "accuracy_after", "steps", "wall_s"} <= set(summary)
-    ckpt = out / (out / "latest").read_text().strip()
-    assert ckpt.name == "ckpt-000002"
-    trained = load_file(ckpt / "policy" / "model.safetensors")
+    assert resumed_run.latest == "ckpt-000002"
+    trained = load_file(resumed_run.policy)
     initial = load_file(Path(random_model_dir) / "model.safetensors")
     assert any(not (trained[k] == initial[k]).all() for k in initial if k in trained)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in resumed_run.metrics.splitlines()]
     assert [r["train/version"] for r in rows if "train/version" in r] == [1, 2, 3]
     step_rows = [r for r in rows if "train/version" in r]
     for key in ("rollout/abort_latency_s", "rollout/off_policy_token_ratio", "engine/occupancy_mean",
@@ -42,10 +32,12 @@ def test_train_steps_change_weights_advance_versions_and_resume(tmp_path, random
     assert all(any(k.startswith("rollout/staleness_hist/") for k in r) for r in step_rows)
     # the engines sampled step k's rollout with the weights of version k (published after step k-1)
     assert [r["engine/version_min"] for r in step_rows] == [0, 1, 2]
-    assert any(Path(out).glob("wandb/offline-run-*"))
+    assert resumed_run.wandb_runs
 
-    summary2, proc = run_train(tmp_path, random_model_dir, "train.num_steps=6", "train.resume=true")
-    assert "resumed from" in proc.stdout and "ckpt-000002" in proc.stdout
+    assert second.returncode == 0, second.stderr[-4000:]
+    out = resumed_run.out
+    summary2 = json.loads((out.parent / "summary.json").read_text())
+    assert "resumed from" in second.stdout and "ckpt-000002" in second.stdout
     assert summary2["steps"] == 3 and summary2["final_version"] == 6
     state_rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/version"] for r in state_rows if "train/version" in r] == [1, 2, 3, 4, 5, 6]
