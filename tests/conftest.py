@@ -104,6 +104,17 @@ def http_job(tmp_path_factory, model_dir):
     return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""}, hostname_address=address)
 
 
+def overlap_job(tmp_path_factory, model_dir):
+    """tiny_cpu.yaml with train.overlap=true, five steps and a checkpoint after the third, run once
+    (tests/test_overlap_job.py reads its records)."""
+    from tests.local_job import SMALL, run_job, train_command
+
+    tmp = tmp_path_factory.mktemp("overlap-job")
+    cmd = train_command("configs/tiny_cpu.yaml", model_dir, tmp, *SMALL, "train.overlap=true", "train.num_steps=5",
+                        "train.save_every=3", "train.eval_every=2", "logging.dashboard=false")
+    return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""})
+
+
 def head_job(tmp_path_factory, model_dir):
     """tiny_cpu.yaml on the random tiny model, four steps submitted to a `ray start --head` that exports its
     metrics every second, each step paused past two export intervals by a slow reward (no over-sampling, so
@@ -162,7 +173,8 @@ def resumed_job(tmp_path_factory, model_dir) -> ResumedRun:
     return run
 
 
-SHARED_JOBS = {"two_rank_run": two_rank_job, "http_run": http_job, "watched_job": head_job, "resumed_run": resumed_job}
+SHARED_JOBS = {"two_rank_run": two_rank_job, "http_run": http_job, "watched_job": head_job, "resumed_run": resumed_job,
+               "overlap_run": overlap_job}
 """Session fixtures whose jobs start ahead of the tests that read them (tests/prefetch.py)."""
 
 
@@ -202,3 +214,8 @@ def watched_job(prefetched, tmp_path_factory, random_model_dir):
 @pytest.fixture(scope="session")
 def resumed_run(prefetched, tmp_path_factory, random_model_dir):
     return _shared("resumed_run", prefetched, tmp_path_factory, random_model_dir)
+
+
+@pytest.fixture(scope="session")
+def overlap_run(prefetched, tmp_path_factory, random_model_dir):
+    return _shared("overlap_run", prefetched, tmp_path_factory, random_model_dir)
