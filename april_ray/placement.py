@@ -17,6 +17,11 @@ class Layout:
     share: float
     """Fraction of its bundle that each actor asks for (0.5 when a learner and an engine share one)."""
 
+    @property
+    def colocated(self) -> bool:
+        """Engines and learner ranks share bundles (and their GPUs)."""
+        return bool(set(self.engine_bundles) & set(self.learner_bundles))
+
 
 def actor_resources(layout: Layout, bundle: int) -> dict[str, float]:
     """num_cpus / num_gpus for an actor placed in `bundle`."""

@@ -77,10 +77,14 @@ class EngineGroup:
     released: bool = False
     journal: object = None
     """The episodes' `ToolJournalActor` (None without rollout.episode_fn)."""
+    loading: list = field(default_factory=list)
+    """The engines' first `status` calls while they load (`start(wait=False)`), until `wait_loaded`."""
 
     @classmethod
-    def start(cls, cfg: Config, model_path: str, layout: Layout, version: int = 0,
-              timeout_s: float = 300) -> "EngineGroup":
+    def start(cls, cfg: Config, model_path: str, layout: Layout, version: int = 0, timeout_s: float = 300,
+              wait: bool = True) -> "EngineGroup":
+        """The engine actors, placed; loaded and serving when this returns, unless `wait=False`: then they
+        load meanwhile (the driver starts the learner ranks alongside) and `wait_loaded()` waits for them."""
         check_resources(layout)
         pg = placement_group(layout.bundles, strategy=layout.strategy)
         if not pg.wait(timeout_s):
@@ -96,11 +100,18 @@ class EngineGroup:
                      episodes=cfg.rollout, journal=journal, weights_root=disk_weights_dir(cfg))
             for index, b in enumerate(layout.engine_bundles)
         ]
-        status = ray.get([e.status.remote() for e in actors])  # loaded and serving
-        return cls(actors, [cfg.engine.max_num_seqs] * len(actors), pg, layout, (None, version),
-                   [st["incarnation"] for st in status], journal=journal,
-                   servers_take_weights=cfg.engine.weight_sync != "object_store",
-                   releases_memory=cfg.engine.releases_memory)
+        group = cls(actors, [cfg.engine.max_num_seqs] * len(actors), pg, layout, (None, version), journal=journal,
+                    servers_take_weights=cfg.engine.weight_sync != "object_store",
+                    releases_memory=cfg.engine.releases_memory, loading=[e.status.remote() for e in actors])
+        if wait:
+            group.wait_loaded()
+        return group
+
+    def wait_loaded(self) -> None:
+        """Every engine has loaded the model and serves (an engine that failed to load raises here)."""
+        if self.loading:
+            self.incarnations = [st["incarnation"] for st in ray.get(self.loading)]
+            self.loading = []
 
     def take_weights_from(self, source) -> None:
         """`source()` puts the current weights in the object store (`LearnerGroup.weights_ref`)."""

@@ -130,9 +130,12 @@ def start_run(cfg) -> Run:
     if not ray.is_initialized():
         init_ray(job.layout, cfg.logging)
 
-    engines = EngineGroup.start(cfg, job.model_path, job.layout)
+    # The engines load while the prompt source reads the dataset and the learner ranks set up, unless they
+    # share GPUs: an engine sizes its KV cache from the memory free when it loads.
+    engines = EngineGroup.start(cfg, job.model_path, job.layout, wait=job.layout.colocated)
     rollout = RolloutGroup.start(cfg, job.model_path, job.train_path, engines)
     learners = LearnerGroup(cfg, job.model_path, engines)
+    engines.wait_loaded()
     engines.take_weights_from(learners.weights_ref)  # how a restarted engine is caught up
     evaluator = Evaluator(cfg, engines, job.model_path, job.eval_path)
     start, version = 0, 0
