@@ -16,6 +16,7 @@ subprocess passes this (`user_env`), not the test process's, which importing `jo
 os.environ.setdefault("WANDB_MODE", "offline")
 # Ray started inside the test process is set up as a job sets it up (jobs/env.py), before a test imports Ray
 import jobs  # noqa: E402,F401
+from tests.prefetch import shared_job  # noqa: E402
 
 
 @pytest.fixture
@@ -79,7 +80,8 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-def two_rank_job(tmp_path_factory, model_dir):
+@shared_job
+def two_rank_run(tmp_path_factory, model_dir):
     """tiny_cpu.yaml with two DeepSpeed ZeRO-2 learner ranks over gloo, three steps, run once: test_train_job
     checks its training, test_listeners the sockets its processes listened on (rank 0 hosts the rendezvous
     store), with the hostname resolving to the machine's LAN address where that can be arranged."""
@@ -92,7 +94,8 @@ def two_rank_job(tmp_path_factory, model_dir):
     return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""}, hostname_address=address)
 
 
-def http_job(tmp_path_factory, model_dir):
+@shared_job
+def http_run(tmp_path_factory, model_dir):
     """tiny_cpu_http.yaml, three steps, run once: test_http_train checks its training, test_listeners the
     sockets its processes listened on (the engines' HTTP servers, the weight broadcast group), with the
     hostname resolving to the machine's LAN address where that can be arranged."""
@@ -104,7 +107,8 @@ def http_job(tmp_path_factory, model_dir):
     return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""}, hostname_address=address)
 
 
-def overlap_job(tmp_path_factory, model_dir):
+@shared_job
+def overlap_run(tmp_path_factory, model_dir):
     """tiny_cpu.yaml with train.overlap=true, five steps and a checkpoint after the third, run once
     (tests/test_overlap_job.py reads its records)."""
     from tests.local_job import SMALL, run_job, train_command
@@ -115,7 +119,8 @@ def overlap_job(tmp_path_factory, model_dir):
     return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""})
 
 
-def head_job(tmp_path_factory, model_dir):
+@shared_job
+def watched_job(tmp_path_factory, model_dir):
     """tiny_cpu.yaml on the random tiny model, four steps submitted to a `ray start --head` that exports its
     metrics every second, each step paused past two export intervals by a slow reward (no over-sampling, so
     that no step is served from groups an earlier one finished), watched by its metrics endpoint and
@@ -148,7 +153,8 @@ class ResumedRun:
     wandb_runs: list = field(default_factory=list)
 
 
-def resumed_job(tmp_path_factory, model_dir) -> ResumedRun:
+@shared_job
+def resumed_run(tmp_path_factory, model_dir) -> ResumedRun:
     """tiny_cpu.yaml for three steps, then resumed to six in the same output directory (test_train_job)."""
     from tests.local_job import SMALL, train_command
 
@@ -173,49 +179,16 @@ def resumed_job(tmp_path_factory, model_dir) -> ResumedRun:
     return run
 
 
-SHARED_JOBS = {"two_rank_run": two_rank_job, "http_run": http_job, "watched_job": head_job, "resumed_run": resumed_job,
-               "overlap_run": overlap_job}
-"""Session fixtures whose jobs start ahead of the tests that read them (tests/prefetch.py)."""
-
-
 @pytest.fixture(scope="session", autouse=True)
 def prefetched(request, tmp_path_factory):
-    from tests.prefetch import Prefetch, first_asked
+    from tests.prefetch import JOBS, Prefetch, first_asked
 
     prefetch = Prefetch()
-    order = first_asked(SHARED_JOBS, request.session.items)
+    order = first_asked(JOBS, request.session.items)
     if order:
         model_dir = request.getfixturevalue("random_model_dir")
         for name in order:
-            prefetch.submit(name, functools.partial(SHARED_JOBS[name], tmp_path_factory, model_dir))
+            prefetch.submit(name, functools.partial(JOBS[name], tmp_path_factory, model_dir))
     yield prefetch
     prefetch.close()
 
-
-def _shared(name: str, prefetched, tmp_path_factory, model_dir):
-    return prefetched.result(name, functools.partial(SHARED_JOBS[name], tmp_path_factory, model_dir))
-
-
-@pytest.fixture(scope="session")
-def two_rank_run(prefetched, tmp_path_factory, random_model_dir):
-    return _shared("two_rank_run", prefetched, tmp_path_factory, random_model_dir)
-
-
-@pytest.fixture(scope="session")
-def http_run(prefetched, tmp_path_factory, random_model_dir):
-    return _shared("http_run", prefetched, tmp_path_factory, random_model_dir)
-
-
-@pytest.fixture(scope="session")
-def watched_job(prefetched, tmp_path_factory, random_model_dir):
-    return _shared("watched_job", prefetched, tmp_path_factory, random_model_dir)
-
-
-@pytest.fixture(scope="session")
-def resumed_run(prefetched, tmp_path_factory, random_model_dir):
-    return _shared("resumed_run", prefetched, tmp_path_factory, random_model_dir)
-
-
-@pytest.fixture(scope="session")
-def overlap_run(prefetched, tmp_path_factory, random_model_dir):
-    return _shared("overlap_run", prefetched, tmp_path_factory, random_model_dir)

@@ -1,12 +1,35 @@
 """Jobs that session fixtures share, started ahead of the tests that read them. A job's phases are mostly one
 process at a time (the driver's imports, Ray's start, each actor's imports), so on two cores a job leaves
-about a core idle: the suite's other tests use it meanwhile. The jobs run one after another in one thread, in
-the order the collected tests first ask for them; a fixture asked for before its job started runs it itself.
-Only the jobs some collected test asks for are run (`pytest tests/test_config.py` starts none)."""
+about a core idle: the suite's other tests use it meanwhile. `shared_job` declares one, in conftest.py or in
+the test module that reads it; the jobs run in the order the collected tests first ask for them, two at a
+time in background threads, and a fixture asked for before its job started runs it itself. Only the jobs
+some collected test asks for are run (`pytest tests/test_config.py` starts none)."""
 from __future__ import annotations
 
+import functools
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
+
+import pytest
+
+JOBS: dict[str, Callable] = {}
+"""Every shared job by its fixture's name: `job(tmp_path_factory, model_dir)` -> what its tests read."""
+
+WORKERS = 2
+"""Jobs run at once in the background (each also starts a local Ray of its own)."""
+
+
+def shared_job(job: Callable) -> Callable:
+    """`job(tmp_path_factory, model_dir)` as the session fixture of its name, its job run once and started
+    ahead: a job runs in a background thread, so it changes no process-wide state (no chdir, no
+    monkeypatch) and builds its paths from ROOT."""
+    JOBS[job.__name__] = job
+
+    @pytest.fixture(scope="session", name=job.__name__)
+    def fixture(prefetched, tmp_path_factory, random_model_dir):
+        return prefetched.result(job.__name__, functools.partial(job, tmp_path_factory, random_model_dir))
+
+    return fixture
 
 
 def wanted(item) -> set[str]:
@@ -27,8 +50,8 @@ def first_asked(names, items) -> list[str]:
 
 
 class Prefetch:
-    def __init__(self):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+    def __init__(self, workers: int = WORKERS):
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prefetch")
         self._futures: dict[str, Future] = {}
 
     def submit(self, name: str, run: Callable[[], object]) -> None:
@@ -42,5 +65,5 @@ class Prefetch:
         return future.result()
 
     def close(self) -> None:
-        """Drop the jobs no test asked for after all (a run stopped early) and wait for the one running."""
+        """Drop the jobs no test asked for after all (a run stopped early) and wait for the ones running."""
         self._pool.shutdown(wait=True, cancel_futures=True)

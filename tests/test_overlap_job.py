@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_an_overlapped_job_keeps_groups_running_between_steps_and_accounts_for_every_one(overlap_run):
-    """Five steps, a checkpoint after the third (conftest.py's `overlap_job`): step 0 leaves groups running
+    """Five steps, a checkpoint after the third (conftest.py's `overlap_run`): step 0 leaves groups running
     on the engines, the step before the checkpoint and the last drain; every group taken is trained
     once or stored; evaluations name the version they evaluated; the job reports the engines' and the
     learner's idle shares."""
