@@ -46,7 +46,9 @@ from driver.records import TRAINING_SAMPLE, read_rows, taken_group_ids
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_driver_kills(cfg, args) -> dict:
+def run_driver_kills(cfg, args, env: dict | None = None) -> dict:
+    """`args.driver_kills` SIGKILLs of the driver, each resumed; the drivers run in `env` (default: this
+    process's environment)."""
     out = Path(cfg.train.output_dir) / "driver_kills"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -61,10 +63,11 @@ def run_driver_kills(cfg, args) -> dict:
               f"first checkpoint, so every resume starts from step 0", flush=True)
     cmd = [sys.executable, "-m", "jobs.train", *(["--config", args.config] if getattr(args, "config", None) else []),
            *getattr(args, "overrides", []), f"train.output_dir={out}"]
-    os.environ["APRIL_RAY_TOOL_LOG"] = str((out / "tool_calls.jsonl").resolve())  # the agent task's call log
+    env = {**(os.environ if env is None else env), "RAY_ADDRESS": "",  # each driver starts a local Ray of its own
+           "APRIL_RAY_TOOL_LOG": str((out / "tool_calls.jsonl").resolve())}  # the agent task's call log
     t0, runs, watched, at_kills = time.time(), [], [], []
     for i, at in enumerate([*at_steps, None]):
-        run = Run(cmd + (["train.resume=true"] if i else []), out / f"run{i}.log")
+        run = Run(cmd + (["train.resume=true"] if i else []), out / f"run{i}.log", env)
         if at is None:
             runs.append(run.finish())
         else:
@@ -91,13 +94,12 @@ def name(p: psutil.Process) -> str:
 
 
 class Run:
-    """One driver subprocess with its own local Ray (RAY_ADDRESS cleared), its output in `log`."""
+    """One driver subprocess in `env`, its output in `log`."""
 
-    def __init__(self, cmd: list[str], log: Path):
+    def __init__(self, cmd: list[str], log: Path, env: dict):
         self.log = log
         self.file = open(log, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.file, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "RAY_ADDRESS": ""})
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.file, stderr=subprocess.STDOUT, env=env)
         self.watched: list[psutil.Process] = []
         self.t0 = time.time()
 
