@@ -67,6 +67,11 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    """GPU tests are skipped without a GPU. The tests that read a shared job run after all the others, in
+    their order: meanwhile the others keep the foreground busy while the jobs run (tests/prefetch.py)."""
+    from tests.prefetch import JOBS, wanted
+
+    items.sort(key=lambda item: bool(wanted(item) & JOBS.keys()))
     try:
         import torch
 
@@ -163,7 +168,7 @@ def resumed_run(tmp_path_factory, model_dir) -> ResumedRun:
 
     def train(*overrides):
         cmd = train_command("configs/tiny_cpu.yaml", model_dir, tmp, *SMALL, "train.eval_every=2",
-                            "train.save_every=2", *overrides)
+                            "train.save_every=2", "logging.dashboard=false", *overrides)
         return subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
                               timeout=600)
 

@@ -6,17 +6,20 @@ from pathlib import Path
 
 import pytest
 from tests.conftest import USER_ENV
+from tests.prefetch import shared_job
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_rollout_runs_every_mode_and_the_sweep(tmp_path, random_model_dir):
-    out = tmp_path / "bench.json"
+@shared_job
+def bench_rollout_run(tmp_path_factory, model_dir):
+    tmp = tmp_path_factory.mktemp("bench-rollout")
+    out = tmp / "bench.json"
     cmd = [sys.executable, "-m", "jobs.bench.rollout", "--json", str(out), "--steps", "2", "--warmup-steps", "1",
            "--probe-every", "1", "--probe-seconds", "0.5", "--sweep", "--sweep-steps", "1",
-           "--out-dir", str(tmp_path / "plots"), f"model.path={random_model_dir}", f"model.cache_dir={tmp_path}",
+           "--out-dir", str(tmp / "plots"), f"model.path={model_dir}", f"model.cache_dir={tmp}",
            "task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=4",
            "rollout.over_sampling_batch_size=4", "rollout.n_samples_per_prompt=4", "sampling.max_response_len=100",
            "engine.max_model_len=128", "engine.max_num_seqs=16", "engine.park_slots=16"]
@@ -25,6 +28,11 @@ def test_bench_rollout_runs_every_mode_and_the_sweep(tmp_path, random_model_dir)
     # cap, and whether one was came down to timing)
     proc = subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
                           timeout=600)
+    return proc, out
+
+
+def test_bench_rollout_runs_every_mode_and_the_sweep(bench_rollout_run):
+    proc, out = bench_rollout_run
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
     for mode in ("sync", "april", "april_recompute"):

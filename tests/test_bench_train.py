@@ -10,6 +10,7 @@ from april_ray.config import load_config
 from jobs.bench.train import (accuracy_at, configured_factor, late_accuracy, mode_configs, parse_modes, report,
                               reused_runs, table, time_to)
 from tests.conftest import USER_ENV
+from tests.prefetch import shared_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,13 +82,14 @@ def test_reuse_takes_runs_by_mode_and_seed_and_refuses_another_config(tmp_path):
         reused_runs(str(earlier), {"train": {"num_steps": 40}, "task": {"num_eval": 2048}})
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1200)  # four jobs of two steps, each starting its actors
-def test_bench_train_json_keys_on_a_tiny_run(tmp_path, random_model_dir):
-    out = tmp_path / "bench.json"
+@shared_job
+def bench_train_run(tmp_path_factory, model_dir):
+    """Four jobs of two steps, each starting its actors."""
+    tmp = tmp_path_factory.mktemp("bench-train")
+    out = tmp / "bench.json"
     cmd = [sys.executable, "-m", "jobs.bench.train", "--config", "configs/tiny_cpu.yaml", "--seeds", "2",
-           "--factors", "2", "--gain", "0.0", "--json", str(out), f"model.path={random_model_dir}",
-           f"model.cache_dir={tmp_path}", f"train.output_dir={tmp_path}/out", "task.num_train=300",
+           "--factors", "2", "--gain", "0.0", "--json", str(out), f"model.path={model_dir}",
+           f"model.cache_dir={tmp}", f"train.output_dir={tmp}/out", "task.num_train=300",
            "task.num_eval=16", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
            "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24", "engine.max_model_len=64",
            "algorithm.overlong_buffer=8", "train.num_steps=2", "train.eval_every=1", "train.save_every=100",
@@ -96,7 +98,14 @@ def test_bench_train_json_keys_on_a_tiny_run(tmp_path, random_model_dir):
            # processes to start, four times over
            "learner.backend=torch", "engine.num_engines=1"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
-                          timeout=900)
+                          timeout=1200)
+    return proc, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # when its job was not started ahead, it runs in this test's setup
+def test_bench_train_json_keys_on_a_tiny_run(bench_train_run):
+    proc, out = bench_train_run
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
     assert r["seeds"] == [0, 1] and {"target_accuracy", "speedup", "speedup_2"} <= set(r)

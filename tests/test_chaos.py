@@ -8,6 +8,7 @@ import pytest
 
 from driver.records import check_records, taken_group_ids
 from tests.conftest import USER_ENV
+from tests.prefetch import shared_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,22 +84,40 @@ def test_the_records_account_for_the_groups_the_over_provisioned_baseline_discar
     assert r["lost_samples"] == r["duplicated_samples"] == r["unknown_groups"] == 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config", ["configs/tiny_cpu.yaml", "configs/tiny_cpu_http.yaml"])
-def test_chaos_engine_kills_lose_and_repeat_nothing(tmp_path, random_model_dir, config):
-    """Weights through the object store, and over HTTP broadcast into the engines' servers (a publish that
-    meets a restarting engine leaves it out; the rebuilt group takes it back)."""
-    out = tmp_path / "chaos.json"
+def chaos_run(tmp_path_factory, model_dir, config: str):
+    tmp = tmp_path_factory.mktemp("chaos")
+    out = tmp / "chaos.json"
     # seed 15: the kills come after steps 1 and 2 of 8, so a restarted engine has five steps to be seen back
     # (`engine_restarts` counts the restarts the driver saw before the run ended)
     cmd = [sys.executable, "-m", "jobs.chaos", "--config", config, "--kills", "2", "--seed", "15",
-           "--json", str(out), f"model.path={random_model_dir}", f"model.cache_dir={tmp_path}",
-           f"train.output_dir={tmp_path}/out", "task.num_train=300", "task.num_eval=16", "train.num_steps=8",
+           "--json", str(out), f"model.path={model_dir}", f"model.cache_dir={tmp}",
+           f"train.output_dir={tmp}/out", "task.num_train=300", "task.num_eval=16", "train.num_steps=8",
            "train.eval_every=4", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
            "rollout.n_samples_per_prompt=4", "sampling.max_response_len=64", "engine.max_model_len=128",
-           "staleness.max_versions=1", "algorithm.overlong_buffer=8"]
+           "staleness.max_versions=1", "algorithm.overlong_buffer=8",
+           "logging.dashboard=false"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
                           timeout=900)
+    return proc, out
+
+
+@shared_job
+def chaos_object_store(tmp_path_factory, model_dir):
+    return chaos_run(tmp_path_factory, model_dir, "configs/tiny_cpu.yaml")
+
+
+@shared_job
+def chaos_http(tmp_path_factory, model_dir):
+    return chaos_run(tmp_path_factory, model_dir, "configs/tiny_cpu_http.yaml")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", [pytest.param("chaos_object_store", id="configs/tiny_cpu.yaml"),
+                                 pytest.param("chaos_http", id="configs/tiny_cpu_http.yaml")])
+def test_chaos_engine_kills_lose_and_repeat_nothing(request, run):
+    """Weights through the object store, and over HTTP broadcast into the engines' servers (a publish that
+    meets a restarting engine leaves it out; the rebuilt group takes it back)."""
+    proc, out = request.getfixturevalue(run)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["ok"] and r["error"] is None and r["kills"] == 2

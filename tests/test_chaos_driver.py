@@ -11,15 +11,19 @@ from april_ray.config import load_config
 from driver.checkpoint import read_state
 from driver.records import read_rows
 from jobs.chaos_driver import run_driver_kills
+from tests.conftest import USER_ENV
+from tests.prefetch import shared_job
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_killed_driver_resumes_with_every_prompt_consumed_once(tmp_path, random_model_dir, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    overrides = [f"model.path={random_model_dir}", f"model.cache_dir={tmp_path}", f"train.output_dir={tmp_path}/out",
+@shared_job
+def driver_kill_run(tmp_path_factory, model_dir):
+    """One driver kill in six steps (`run_driver_kills`, in a background thread: its jobs run from ROOT)."""
+    tmp_path = tmp_path_factory.mktemp("driver-kills")
+    overrides = [f"model.path={model_dir}", f"model.cache_dir={tmp_path}", f"train.output_dir={tmp_path}/out",
                  "task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=4",
                  "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4", "sampling.max_response_len=200",
                  "engine.max_model_len=256", "algorithm.overlong_buffer=8", "learner.lr=1e-3", "train.num_steps=6",
@@ -30,9 +34,13 @@ def test_a_killed_driver_resumes_with_every_prompt_consumed_once(tmp_path, rando
     # step's checkpoint is still being written, and the resume must still find the one before it. Long
     # responses: groups finish far apart, so each checkpoint's store holds partial groups (at 24 tokens
     # nearly every sample ran to the cap and whether any group was left partial was down to timing).
-    cfg = load_config("configs/tiny_cpu.yaml", overrides)
+    cfg = load_config(str(ROOT / "configs/tiny_cpu.yaml"), overrides)
     args = argparse.Namespace(config="configs/tiny_cpu.yaml", overrides=overrides, driver_kills=1, seed=4)
-    result = run_driver_kills(cfg, args)
+    return tmp_path, run_driver_kills(cfg, args, USER_ENV)
+
+
+def test_a_killed_driver_resumes_with_every_prompt_consumed_once(driver_kill_run):
+    tmp_path, result = driver_kill_run
     print(json.dumps(result, indent=1))
     assert result["driver_kills"] == 1 and result["runs"][0]["killed_after_step"] in range(1, 4)
     assert result["runs"][1]["finished"] and result["runs"][1]["resumed_from"] is not None

@@ -15,7 +15,9 @@ from april_ray.learn.learner import Learner
 from april_ray.learn.safe_state import StateFileError, load_state, save_state
 from driver.checkpoint import (CheckpointError, _sha256, check_contents, find_checkpoint, open_run, rollout_state,
                                write_checkpoint)
+from tests.conftest import USER_ENV
 from tests.fakes import make_rollout_parts
+from tests.prefetch import shared_job
 from tests.test_learner import batch_from_policy
 from tests.test_rollout import cfg, run_steps
 
@@ -241,31 +243,46 @@ def files_of(path: Path) -> dict:
     return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.slow
-def test_two_fresh_jobs_keep_both_runs_and_a_tampered_checkpoint_is_refused_on_resume(tmp_path, random_model_dir,
-                                                                                       user_env):
-    """As a user runs it: the same command twice leaves the first run's metrics and checkpoint as they were;
-    pickles in place of the second run's tensor files, its manifest rewritten to match, stop the resume,
-    naming the file, and never run."""
-    out = tmp_path / "out"
-    first = run_job(tmp_path, random_model_dir, user_env)
-    assert first.returncode == 0, first.stderr[-3000:]
-    run = (out / "run").read_text()
-    kept = files_of(out / "ckpt-000001") | {Path("metrics.jsonl"): (out / "metrics.jsonl").read_bytes()}
-    assert len((out / "metrics.jsonl").read_text().splitlines()) >= 2
-
-    second = run_job(tmp_path, random_model_dir, user_env)
-    assert second.returncode == 0, second.stderr[-3000:]
-    aside = out / "runs" / run
-    assert files_of(aside / "ckpt-000001") | {Path("metrics.jsonl"): (aside / "metrics.jsonl").read_bytes()} == kept
-    assert (out / "run").read_text() != run and (out / "ckpt-000001").is_dir()
-
+@shared_job
+def fresh_twice_then_tampered(tmp_path_factory, model_dir) -> dict:
+    """As a user runs it: the same command twice; then pickles in place of the second run's tensor files, its
+    manifest rewritten to match, and a resume. What each step left, for the test to judge."""
+    tmp_path = tmp_path_factory.mktemp("fresh-twice")
+    out, env = tmp_path / "out", {**USER_ENV, "RAY_ADDRESS": ""}
+    seen = {"first": run_job(tmp_path, model_dir, env)}
+    if seen["first"].returncode:
+        return seen
+    seen["run"] = (out / "run").read_text()
+    seen["kept"] = files_of(out / "ckpt-000001") | {Path("metrics.jsonl"): (out / "metrics.jsonl").read_bytes()}
+    seen["second"] = run_job(tmp_path, model_dir, env)
+    if seen["second"].returncode:
+        return seen
+    aside = out / "runs" / seen["run"]
+    seen["aside"] = files_of(aside / "ckpt-000001") | {Path("metrics.jsonl"): (aside / "metrics.jsonl").read_bytes()}
+    seen["run_now"], seen["ckpt_kept"] = (out / "run").read_text(), (out / "ckpt-000001").is_dir()
     marker = tmp_path / "pwned"
-    replaced = put_pickles(out / "ckpt-000001", marker)
-    assert any(f.suffix == ".pt" for f in replaced)
-    resumed = run_job(tmp_path, random_model_dir, user_env, "train.resume=true", "train.num_steps=4")
+    seen["replaced"] = put_pickles(out / "ckpt-000001", marker)
+    seen["resumed"] = run_job(tmp_path, model_dir, env, "train.resume=true", "train.num_steps=4")
+    seen["pickle_ran"] = marker.exists()
+    return seen
+
+
+@pytest.mark.slow
+def test_two_fresh_jobs_keep_both_runs_and_a_tampered_checkpoint_is_refused_on_resume(fresh_twice_then_tampered):
+    """The same command twice leaves the first run's metrics and checkpoint as they were; pickles in place of
+    the second run's tensor files, its manifest rewritten to match, stop the resume, naming the file, and
+    never run."""
+    seen = fresh_twice_then_tampered
+    assert seen["first"].returncode == 0, seen["first"].stderr[-3000:]
+    assert len(seen["kept"][Path("metrics.jsonl")].decode().splitlines()) >= 2
+    assert seen["second"].returncode == 0, seen["second"].stderr[-3000:]
+    assert seen["aside"] == seen["kept"]
+    assert seen["run_now"] != seen["run"] and seen["ckpt_kept"]
+
+    assert any(f.suffix == ".pt" for f in seen["replaced"])
+    resumed = seen["resumed"]
     assert resumed.returncode != 0, resumed.stdout[-2000:]
-    assert not marker.exists(), "a pickle in the checkpoint ran"
+    assert not seen["pickle_ran"], "a pickle in the checkpoint ran"
     assert "ckpt-000001/optimizer/state/" in resumed.stderr and "refused" in resumed.stderr, resumed.stderr[-3000:]
 
 

@@ -13,6 +13,8 @@ import pytest
 from april_ray.config import load_config
 from driver.records import TRAINING_SAMPLE
 from jobs.chaos_driver import read_jsonl, run_driver_kills
+from tests.conftest import USER_ENV
+from tests.prefetch import shared_job
 
 pytestmark = pytest.mark.slow
 
@@ -52,15 +54,15 @@ async def episode(ep):
 '''
 
 
-def test_tool_results_belong_to_their_trajectory_across_restarts_and_a_killed_driver(tmp_path, random_model_dir,
-                                                                                     monkeypatch):
+@shared_job
+def trajectory_kill_run(tmp_path_factory, model_dir):
+    """The agent task with a tool that checks its trajectory, four steps and one driver kill
+    (`run_driver_kills`, in a background thread: its jobs run from ROOT, the plug-in on their PYTHONPATH)."""
+    tmp_path = tmp_path_factory.mktemp("trajectory-kills")
     plug = tmp_path / "plug"
     plug.mkdir()
     (plug / "trajectory_env.py").write_text(TRAJECTORY_TOOL)
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("PYTHONPATH", str(plug))
-    monkeypatch.setenv("APRIL_RAY_TOOL_LOG", "")  # run_driver_kills sets it; restored after the test
-    overrides = [f"model.path={random_model_dir}", f"model.cache_dir={tmp_path}", f"train.output_dir={tmp_path}/out",
+    overrides = [f"model.path={model_dir}", f"model.cache_dir={tmp_path}", f"train.output_dir={tmp_path}/out",
                  "task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=4",
                  "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4", "sampling.max_response_len=48",
                  "engine.max_model_len=192", "algorithm.overlong_buffer=8", "learner.lr=1e-3", "train.num_steps=4",
@@ -68,9 +70,14 @@ def test_tool_results_belong_to_their_trajectory_across_restarts_and_a_killed_dr
                  "learner.backend=torch",
                  "rollout.episode_fn=trajectory_env:episode", "staleness.policy=restart", "staleness.max_versions=0"]
     # the torch learner: no DeepSpeed engine to set up in each run (what is checked does not depend on it)
-    cfg = load_config("configs/tiny_cpu.yaml", overrides)
+    cfg = load_config(str(ROOT / "configs/tiny_cpu.yaml"), overrides)
     args = argparse.Namespace(config="configs/tiny_cpu.yaml", overrides=overrides, driver_kills=1, seed=4)
-    result = run_driver_kills(cfg, args)
+    return tmp_path, run_driver_kills(cfg, args, {**USER_ENV, "PYTHONPATH": str(plug)})
+
+
+def test_tool_results_belong_to_their_trajectory_across_restarts_and_a_killed_driver(trajectory_kill_run):
+    tmp_path, result = trajectory_kill_run
+    plug = tmp_path / "plug"
     print(json.dumps(result, indent=1))
     assert result["runs"][1]["finished"] and result["runs"][1]["resumed_from"] is not None
     assert result["prompts_consumed_twice"] == 0 and result["prompts_skipped"] == 0

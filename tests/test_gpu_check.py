@@ -7,15 +7,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import USER_ENV
+from tests.prefetch import shared_job
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def check(tmp_path_factory):
+@shared_job
+def gpu_check_run(tmp_path_factory, model_dir):
     out = tmp_path_factory.mktemp("gpu_check") / "check.json"
     # a budget no part reaches on a loaded CPU: each part runs to its end
     proc = subprocess.run([sys.executable, "-m", "jobs.gpu_check", "--smoke", "--budget-s", "900", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1200)
+                          cwd=ROOT, env=USER_ENV, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     failed = {k: result[k]["error"] for k in result if "error" in result[k]}
@@ -23,8 +26,8 @@ def check(tmp_path_factory):
     return result, proc.stdout
 
 
-def test_every_part_is_there_and_none_failed(check):
-    result, stdout = check
+def test_every_part_is_there_and_none_failed(gpu_check_run):
+    result, stdout = gpu_check_run
     assert list(result) == ["device", "engine", "schedules", "learner", "handoff"]
     assert all(result[k] for k in result)
     device = result["device"]
@@ -34,8 +37,8 @@ def test_every_part_is_there_and_none_failed(check):
         assert part in stdout  # the table
 
 
-def test_engine_curve_mix_and_fit_beside_the_roofline(check):
-    engine = check[0]["engine"]
+def test_engine_curve_mix_and_fit_beside_the_roofline(gpu_check_run):
+    engine = gpu_check_run[0]["engine"]
     assert set(engine) == {"Qwen3-0.6B", "Qwen3-1.7B"}
     for res in engine.values():
         points = res["by_concurrency"]
@@ -50,8 +53,8 @@ def test_engine_curve_mix_and_fit_beside_the_roofline(check):
         assert roof["memory_per_context_token"] > 0 and roof["compute_per_row"] > 0
 
 
-def test_schedules_measured_and_simulated(check):
-    sched = check[0]["schedules"]
+def test_schedules_measured_and_simulated(gpu_check_run):
+    sched = gpu_check_run[0]["schedules"]
     assert set(sched["modes"]) == {"sync", "april_1.5", "oversample_1.5", "april_2", "oversample_2"}
     for name, m in sched["modes"].items():
         assert m["steps"] >= 1 and m["trained_tokens"] > 0, name
@@ -62,8 +65,8 @@ def test_schedules_measured_and_simulated(check):
     assert sched["step_cost_fit"]["steps"] > 0 and sched["ceiling_tok_s"]["mean"] > 0
 
 
-def test_learner_step_against_the_plan(check):
-    learner = check[0]["learner"]
+def test_learner_step_against_the_plan(gpu_check_run):
+    learner = gpu_check_run[0]["learner"]
     # the smoke's 4B stand-in fits whole: all its 3 layers
     steps = {k: v for k, v in learner.items() if isinstance(v, dict)}
     assert set(steps) == {"Qwen3-1.7B", "Qwen3-4B_3_layers"}
@@ -74,8 +77,8 @@ def test_learner_step_against_the_plan(check):
         assert r["plan"]["tokens_per_micro_batch"] == 256
 
 
-def test_handoff_updates_the_server(check):
-    h = check[0]["handoff"]
+def test_handoff_updates_the_server(gpu_check_run):
+    h = gpu_check_run[0]["handoff"]
     assert h["updates"] == 2 and len(h["seconds"]) == 2 and h["s_per_update"] > 0
     assert h["served_version_after"] == [2] and h["skipped"] == ["lm_head.weight"]
     assert h["bytes"] > 0 and h["tensors"] > 0

@@ -18,6 +18,7 @@ from driver.checkpoint import find_checkpoint, open_run
 from driver.output_dir import OutputDirBusy, OutputLock
 from tests.conftest import USER_ENV
 from tests.local_job import ROOT, SMALL, train_command
+from tests.prefetch import shared_job
 
 FAST = [*SMALL, "train.eval_every=1000", "train.eval_greedy=false", "logging.wandb_mode=disabled",
         "logging.dashboard=false"]
@@ -74,7 +75,7 @@ def latest(out: Path) -> str:
     return (out / "latest").read_text().strip() if (out / "latest").is_file() else ""
 
 
-@pytest.fixture(scope="module")
+@shared_job
 def contested(tmp_path_factory, random_model_dir):
     """Two fresh jobs started together in one output directory; once the one that got it saved a checkpoint,
     a resume there; once it saved another, it is SIGKILLed, and a resume goes on with its run for one step."""

@@ -9,6 +9,8 @@ import pytest
 
 from april_ray.config import TaskConfig
 from april_ray.task import countdown
+from tests.conftest import USER_ENV
+from tests.prefetch import shared_job
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +46,26 @@ def run_with_plugin(tmp_path, model_dir, user_env, module: str, source: str, *ov
            f"task.eval_path={plug / 'eval.jsonl'}", *overrides, f"train.num_steps={steps}",
            "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4",
            "sampling.max_response_len=24", "engine.max_model_len=64", "train.eval_every=10", "train.save_every=10",
-           "train.eval_greedy=false", "learner.backend=torch", "--summary", f"{tmp_path}/summary.json"]
+           "train.eval_greedy=false", "learner.backend=torch", "logging.dashboard=false",
+           "--summary", f"{tmp_path}/summary.json"]
     env = {**user_env, "PYTHONPATH": str(plug), "WANDB_MODE": "offline"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == expect_rc, proc.stderr[-4000:]
     return plug, out, proc.stderr
 
 
-def test_reward_fn_and_dataset_from_outside_the_repository(tmp_path, random_model_dir, user_env):
-    plug, out, _ = run_with_plugin(tmp_path, random_model_dir, user_env, "mymod", MYMOD, "task.reward_fn=mymod:score")
+JOB_ENV = {**USER_ENV, "RAY_ADDRESS": ""}
+"""The user's environment (`user_env`), for the jobs started ahead."""
+
+
+@shared_job
+def reward_fn_run(tmp_path_factory, model_dir):
+    tmp_path = tmp_path_factory.mktemp("reward-fn")
+    return tmp_path, *run_with_plugin(tmp_path, model_dir, JOB_ENV, "mymod", MYMOD, "task.reward_fn=mymod:score")
+
+
+def test_reward_fn_and_dataset_from_outside_the_repository(reward_fn_run):
+    tmp_path, plug, out, _ = reward_fn_run
 
     calls = [json.loads(line) for line in (plug / "calls.jsonl").read_text().splitlines()]
     train_calls = [c for c in calls if c["metadata"]["split"] == "train"]
@@ -93,14 +106,21 @@ def judge(prompts, responses, answers, metadatas):
 '''
 
 
-def test_group_reward_fn_from_outside_the_repository(tmp_path, random_model_dir, user_env):
-    """task.reward_per_group: the group function is called once per group, with the whole group, and its
-    values are the rewards the learner trains on; held-out evaluation calls it with groups of one."""
+@shared_job
+def group_reward_fn_run(tmp_path_factory, model_dir):
     # two sequences at a time per engine: a group's samples run in turns, so when the fourth group finishes the
     # other four are still queued or generating, and the abort splits them (with the whole batch in one decode
     # step, a random model's 24-token samples can all finish together and nothing is ever resumed)
-    plug, out, _ = run_with_plugin(tmp_path, random_model_dir, user_env, "groupmod", GROUPMOD,
-                                "task.reward_fn=groupmod:judge", "task.reward_per_group=true", "engine.max_num_seqs=2")
+    tmp_path = tmp_path_factory.mktemp("group-reward-fn")
+    return tmp_path, *run_with_plugin(tmp_path, model_dir, JOB_ENV, "groupmod", GROUPMOD,
+                                      "task.reward_fn=groupmod:judge", "task.reward_per_group=true",
+                                      "engine.max_num_seqs=2")
+
+
+def test_group_reward_fn_from_outside_the_repository(group_reward_fn_run):
+    """task.reward_per_group: the group function is called once per group, with the whole group, and its
+    values are the rewards the learner trains on; held-out evaluation calls it with groups of one."""
+    tmp_path, plug, out, _ = group_reward_fn_run
 
     calls = [json.loads(line) for line in (plug / "calls.jsonl").read_text().splitlines()]
     train_calls = [c for c in calls if c["rows"][0][0] == "train"]
@@ -150,13 +170,22 @@ def test_a_bad_plugin_stops_the_job_before_ray_starts_in_one_line(tmp_path, rand
     assert not (out / "metrics.jsonl").exists()
 
 
-def test_a_raising_episode_is_not_trained_and_a_step_where_all_raise_stops_the_job(tmp_path, random_model_dir,
-                                                                                     user_env):
+@shared_job
+def raising_episode_runs(tmp_path_factory, model_dir):
+    """Two jobs with BADMOD's `flaky` episode: one group in two raising, then every one."""
+    tmp_path = tmp_path_factory.mktemp("raising-episode")
+    some = run_with_plugin(tmp_path / "some", model_dir, JOB_ENV, "badmod", BADMOD,
+                           "rollout.episode_fn=badmod:flaky", steps=2)
+    every = run_with_plugin(tmp_path / "all", model_dir, JOB_ENV, "badmod", BADMOD, "rollout.episode_fn=badmod:flaky",
+                            "rollout.episode_kwargs={fail_all: true}", steps=2, expect_rc=1)
+    return some, every
+
+
+def test_a_raising_episode_is_not_trained_and_a_step_where_all_raise_stops_the_job(raising_episode_runs):
     """One group in two has a sample whose episode raises: those groups are dropped (recorded with each error),
     the batch is full of the others; with every episode raising, the job stops in its first step, with the
     error."""
-    _, out, _ = run_with_plugin(tmp_path / "some", random_model_dir, user_env, "badmod", BADMOD,
-                                "rollout.episode_fn=badmod:flaky", steps=2)
+    (_, out, _), every = raising_episode_runs
     rows = [json.loads(line) for line in (out / "groups.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "end" not in r]
     failed = {sid for r in steps for sid in r["episode_errors"]}
@@ -168,8 +197,6 @@ def test_a_raising_episode_is_not_trained_and_a_step_where_all_raise_stops_the_j
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert sum(m.get("rollout/episode_errors", 0) for m in metrics) == len(failed)
 
-    _, out, stderr = run_with_plugin(tmp_path / "all", random_model_dir, user_env, "badmod", BADMOD,
-                                     "rollout.episode_fn=badmod:flaky", "rollout.episode_kwargs={fail_all: true}",
-                                     steps=2, expect_rc=1)
+    _, out, stderr = every
     assert "step 0: every sample of the" in stderr and "RuntimeError: environment broke on e0p" in stderr
     assert not (out / "metrics.jsonl").exists() or "train/version" not in (out / "metrics.jsonl").read_text()

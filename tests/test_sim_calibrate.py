@@ -8,17 +8,30 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import USER_ENV
+from tests.prefetch import shared_job
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def simulate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobs.simulate", "--config", "configs/tiny_cpu.yaml", *args],
+                          cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=900)
+
+
+@shared_job
+def calibrate_run(tmp_path_factory, model_dir):
+    tmp = tmp_path_factory.mktemp("calibrate")
+    out = tmp / "cal.json"
+    return simulate("--calibrate", "--json", str(out), f"model.path={model_dir}", f"model.cache_dir={tmp}",
+                    "task.num_train=2000"), out
+
+
 @pytest.mark.slow
-def test_calibrate_compares_the_simulation_with_both_measurements(tmp_path, random_model_dir):
+def test_calibrate_compares_the_simulation_with_both_measurements(calibrate_run):
     """`--calibrate` on the committed measurements: every mode compared in wall-clock and CPU time, the
     simulated schedules lose nothing (the tokenizer is a random model's, so only the keys are checked)."""
-    out = tmp_path / "cal.json"
-    cmd = [sys.executable, "-m", "jobs.simulate", "--config", "configs/tiny_cpu.yaml", "--calibrate", "--json",
-           str(out), f"model.path={random_model_dir}", f"model.cache_dir={tmp_path}", "task.num_train=2000"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc, out = calibrate_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [r["mode"] for r in result["comparison"]] == ["sync", "april_1.5", "april_3"]
@@ -89,30 +102,36 @@ def test_fit_by_gap_finds_steps_that_follow_other_work_costlier():
     assert sum(b["steps"] for b in bins) == 290
 
 
+@shared_job
+def measure_cpu_runs(tmp_path_factory, model_dir):
+    """`--measure-cpu`, then `--calibrate` with its costs and a bench JSON that has none of its own."""
+    tmp = tmp_path_factory.mktemp("measure-cpu")
+    costs = tmp / "cpu.json"
+    small = [f"model.path={model_dir}", f"model.cache_dir={tmp}", "task.num_train=2000",
+             "sampling.max_response_len=24"]
+    measure = simulate("--measure-cpu", str(costs), "--record-steps", "4", "--probe-seconds", "0.3", *small)
+    if measure.returncode:
+        return measure, costs, None, None
+    bench = json.loads((ROOT / "tests/data/bench_schedule_s7_r8.json").read_text())  # no step costs
+    old = tmp / "bench.json"
+    old.write_text(json.dumps(bench))
+    out = tmp / "cal.json"
+    return measure, costs, simulate("--calibrate", "--cpu-costs", str(costs), "--measured", str(old), "--json",
+                                    str(out), *small), out
+
+
 @pytest.mark.slow
-def test_measure_cpu_takes_its_costs_from_a_bench_run_and_calibrate_reads_them(tmp_path, random_model_dir):
+def test_measure_cpu_takes_its_costs_from_a_bench_run_and_calibrate_reads_them(measure_cpu_runs):
     """`--measure-cpu` runs jobs.bench.schedule for the step costs, times the grid, records the lengths;
     `--calibrate` with those costs and a bench JSON that has none of its own uses them."""
-    costs = tmp_path / "cpu.json"
-    small = [f"model.path={random_model_dir}", f"model.cache_dir={tmp_path}", "task.num_train=2000",
-             "sampling.max_response_len=24"]
-    cmd = [sys.executable, "-m", "jobs.simulate", "--config", "configs/tiny_cpu.yaml", "--measure-cpu", str(costs),
-           "--record-steps", "4", "--probe-seconds", "0.3", *small]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    proc, costs, calibrate, out = measure_cpu_runs
     assert proc.returncode == 0, proc.stderr[-3000:]
     measured = json.loads(costs.read_text())
     assert measured["fit"]["steps"] > 0 and measured["grid_fit"]["c"] >= 0 and len(measured["by_row"]) == 320
     assert set(measured["in_situ"]) == {"sync", "april_1.5", "april_3"}
     assert all(0 < m["utilization"] for m in measured["in_situ"].values())
     assert measured["schedules"]["sync"]["steps"] == 4 and "step_costs" not in measured["schedules"]
-    bench = json.loads((ROOT / "tests/data/bench_schedule_s7_r8.json").read_text())  # no step costs
-    old = tmp_path / "bench.json"
-    old.write_text(json.dumps(bench))
-    out = tmp_path / "cal.json"
-    cmd = [sys.executable, "-m", "jobs.simulate", "--config", "configs/tiny_cpu.yaml", "--calibrate", "--cpu-costs",
-           str(costs), "--measured", str(old), "--json", str(out), *small]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert calibrate.returncode == 0, calibrate.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["setup"]["costs_from"] == "the --measure-cpu recording" and result["setup"]["fit"] == measured["fit"]
     assert all(r["in_situ_utilization"] == measured["in_situ"][r["mode"]]["utilization"] for r in result["comparison"])
