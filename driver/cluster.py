@@ -14,7 +14,9 @@ from april_ray.config import LoggingConfig
 
 
 def init_ray(layout, logging: LoggingConfig | None = None, address: str | None = None) -> None:
-    """Join the cluster when there is one (`ray job submit`, RAY_ADDRESS), else start a local one.
+    """Join the cluster when there is one (`ray job submit`, RAY_ADDRESS), else start a local one: a new one
+    even where another is running on the machine (`ray start`, another job), which Ray's `ray.init()` would
+    join unasked.
 
     A local cluster gets enough logical CPUs for every bundle of the job's placement group (plus one
     for the driver-side actors), even on a 2-core laptop: the processes share the cores. With `logging`
@@ -30,7 +32,7 @@ def init_ray(layout, logging: LoggingConfig | None = None, address: str | None =
     if not binds_to_loopback():
         require_token()
     # ray.init logs the dashboard's address ("View the dashboard at ...")
-    ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=dashboard,
+    ray.init(address="local", num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=dashboard,
              dashboard_host="127.0.0.1", dashboard_port=(logging.dashboard_port or None) if dashboard else None,
              _node_ip_address="127.0.0.1")
     tie_to_driver()

@@ -1,11 +1,32 @@
 """Several raylets on one machine (`ray.cluster_utils.Cluster`) as a multi-node cluster, with logical GPUs."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import ray
 
 from april_ray.placement import plan
+from tests.conftest import USER_ENV
 from tests.test_ray_rollout import run_steps, small_cfg, start_engines
 
 pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+OWN_RAY = """
+import json
+from types import SimpleNamespace
+import jobs  # as a job starts
+import ray
+from ray._private.services import get_ray_address_from_environment
+from driver.cluster import init_ray
+
+would = get_ray_address_from_environment(None, None)
+init_ray(SimpleNamespace(bundles=[]))
+print(json.dumps({"ray_would_join": would, "joined": ray.get_runtime_context().gcs_address}))
+"""
 
 
 def test_multi_node_cluster_spreads_engines_over_raylets(tmp_path, random_model_dir):
@@ -25,6 +46,13 @@ def test_multi_node_cluster_spreads_engines_over_raylets(tmp_path, random_model_
         assert {node for node, _ in where} <= {n.node_id for n in nodes}
         assert all(len(gpus) == 1 for _, gpus in where)  # each sees its own logical GPU
         run_steps(cfg, str(random_model_dir), engines, 2)
+        # a job started on this machine meanwhile, RAY_ADDRESS unset, starts a Ray of its own: Ray's plain
+        # `ray.init()` would join this cluster, the last one `ray start`ed here
+        job = subprocess.run([sys.executable, "-c", OWN_RAY], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env={k: v for k, v in USER_ENV.items() if k != "RAY_ADDRESS"})
+        assert job.returncode == 0, job.stderr[-3000:]
+        found = json.loads(job.stdout.splitlines()[-1])
+        assert found["ray_would_join"] == cluster.address != found["joined"], found
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -57,7 +57,7 @@ def run_steps(cfg, model_dir, engines, num_steps, first_step=0, actors=None):
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)  # a Ray of its own, never one `ray start` left running
     yield
     ray.shutdown()
 
