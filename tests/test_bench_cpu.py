@@ -3,6 +3,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from jobs.bench.cpu import JobCpu, Series, per_step, role_of, training_windows
@@ -11,12 +12,19 @@ BUSY = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.
 """Half a second of CPU, then a pause, so a sample sees the child's CPU before it ends."""
 
 
-def test_a_child_titled_as_an_engine_actor_counts_as_engines():
-    with JobCpu(period_s=0.2) as cpu:
-        t0 = time.perf_counter()
-        subprocess.run(["bash", "-c", f'exec -a "ray::EngineWorkerActor.generate" {sys.executable} -c "$0"', BUSY],
-                       check=True)
+def sampled(cmd: list[str]) -> tuple[JobCpu, float, float]:
+    """`cmd` run to its end with its process tree sampled (not the test process's: the suite's shared jobs
+    run under it meanwhile); (the samples, its start, its end)."""
+    t0 = time.perf_counter()
+    child = subprocess.Popen(cmd)
+    with JobCpu(period_s=0.2, root=psutil.Process(child.pid)) as cpu:
+        assert child.wait() == 0
         t1 = time.perf_counter()
+    return cpu, t0, t1
+
+
+def test_a_child_titled_as_an_engine_actor_counts_as_engines():
+    cpu, t0, t1 = sampled(["bash", "-c", f'exec -a "ray::EngineWorkerActor.generate" {sys.executable} -c "$0"', BUSY])
     seconds = cpu.within([(t0, t1)])
     assert seconds["engines"] >= 0.4 and seconds["learner"] == 0.0
     assert seconds["machine"] >= seconds["engines"]
@@ -36,10 +44,7 @@ def test_roles_windows_and_interpolation():
 
 
 def test_a_worker_that_becomes_an_actor_takes_the_actors_role():
-    with JobCpu(period_s=0.2) as cpu:
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import os, sys, time; time.sleep(0.6); "
-                        "os.execv('/bin/bash', ['bash', '-c', 'exec -a ray::LearnerActor.train ' + sys.executable "
-                        "+ ' -c \"$0\"', sys.argv[1]])", BUSY], check=True)
-        t1 = time.perf_counter()
+    cpu, t0, t1 = sampled([sys.executable, "-c", "import os, sys, time; time.sleep(0.6); "
+                           "os.execv('/bin/bash', ['bash', '-c', 'exec -a ray::LearnerActor.train ' + sys.executable "
+                           "+ ' -c \"$0\"', sys.argv[1]])", BUSY])
     assert cpu.within([(t0, t1)])["learner"] >= 0.4

@@ -59,9 +59,9 @@ class JobCpu:
     """Samples the CPU times of this process's tree (by role) and of the machine while it runs
     (`with JobCpu() as cpu: ...`); `cpu.within(windows)` -> CPU seconds by role in those windows."""
 
-    def __init__(self, period_s: float = 1.0):
+    def __init__(self, period_s: float = 1.0, root: psutil.Process | None = None):
         self.period_s = period_s
-        self.root = psutil.Process()
+        self.root = root or psutil.Process()  # the tree sampled: this process's by default
         self.procs: dict[tuple[int, float], tuple[str, Series]] = {}  # (pid, create time) -> (role, series)
         self.machine: Series | None = None
         self.last_t: float | None = None  # the previous sample's instant
@@ -90,7 +90,11 @@ class JobCpu:
             self.machine = Series(now, total)
         else:
             self.machine.add(now, total)
-        for p in [self.root, *self.root.children(recursive=True)]:
+        try:
+            tree = [self.root, *self.root.children(recursive=True)]
+        except psutil.Error:  # the root ended
+            tree = []
+        for p in tree:
             try:
                 with p.oneshot():
                     key, cpu = (p.pid, p.create_time()), p.cpu_times()
