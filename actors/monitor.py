@@ -8,6 +8,7 @@ from ray.exceptions import OutOfMemoryError, RayActorError
 
 from actors.metrics import MonitorMetrics
 from actors.refs import SampleRef
+from actors.store import with_refs
 from april_ray.config import RolloutConfig, StalenessConfig
 from april_ray.engine.base import EngineFailure
 from april_ray.rollout.monitor import CompletionMonitor
@@ -21,6 +22,19 @@ class RayProxy:
 
     def __getattr__(self, name):
         return getattr(self.actor, name).remote
+
+
+class RayStore(RayProxy):
+    """The store actor, its groups taken with their samples as the call's second return, which this process
+    then owns (actors/store.py)."""
+
+    async def take_complete(self) -> list:
+        groups, samples = self.actor.take_complete.remote()
+        return with_refs(await groups, samples)
+
+    async def take_partial(self, max_groups: int, version: int) -> list:
+        groups, samples = self.actor.take_partial.remote(max_groups, version)
+        return with_refs(await groups, samples)
 
 
 class RayEnginePool:
@@ -57,7 +71,7 @@ class CompletionMonitorActor:
                  reward_per_group: bool = False):
         """`reward_per_group`: task.reward_per_group (each engine call takes its group's finished samples)."""
         pool = RayEnginePool(engines, capacities, reward_per_group)
-        self.monitor = CompletionMonitor(cfg, pool, RayProxy(source), RayProxy(store), staleness)
+        self.monitor = CompletionMonitor(cfg, pool, RayProxy(source), RayStore(store), staleness)
         self.metrics = MonitorMetrics(cfg, len(engines))
 
     async def step(self, step: int, version: int, keep_running: bool = False):

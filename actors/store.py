@@ -2,10 +2,17 @@
 
 Groups arrive with object refs in place of samples; the store fetches them itself, so the values live
 here (and in checkpoints) and do not depend on the monitor that created the refs staying alive. Groups
-leave the same way: one `ray.put` of their samples, and the monitor gets handles and metas, never the
-tokens, which go from here to the engine (or the learner) that fetches them.
+leave as two returns of one call (`take_complete`, `take_partial`): the metas with each sample's index,
+and the list of the samples, which the monitor holds as a handle and never fetches; the tokens go from
+here to the engine (or the learner) that fetches them. The caller owns a call's returns, so the driver
+and the learner ranks borrow those samples from the monitor, as they do an engine call's; samples the
+store put itself would have the store as their owner, and Ray can free an object whose owner's last
+reference goes while a borrower of a borrower (the learner, through the monitor and the driver) still
+needs it.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import ray
 
@@ -23,12 +30,16 @@ def _fetch(groups):
     return resolve_groups(groups, lambda _: next(values))
 
 
-def _held(groups: list[Group]) -> list[HeldGroup]:
+def _held(groups: list[Group]) -> tuple[list[HeldGroup], list]:
+    """(each group with its samples' indices in the list as handles, the list of its samples)."""
     samples = [s for g in groups for s in g.samples]
-    if not samples:
-        return []
-    ref, index = ray.put(samples), iter(range(len(samples)))
-    return [held(g, [SampleRef(ref, next(index)) for _ in g.samples]) for g in groups]
+    index = iter(range(len(samples)))
+    return [held(g, [next(index) for _ in g.samples]) for g in groups], samples
+
+
+def with_refs(groups: list[HeldGroup], samples_ref) -> list[HeldGroup]:
+    """Groups from `take_complete`/`take_partial`, their indices made handles into the samples' return."""
+    return [replace(g, handles=[SampleRef(samples_ref, i) for i in g.handles]) for g in groups]
 
 
 @ray.remote(num_cpus=0)
@@ -43,10 +54,12 @@ class StoreActor:
     def put_complete(self, groups) -> None:
         self.store.put_complete(_fetch(groups))
 
-    def take_complete(self) -> list[HeldGroup]:
+    @ray.method(num_returns=2)
+    def take_complete(self) -> tuple[list[HeldGroup], list]:
         return _held(self.store.take_complete())
 
-    def take_partial(self, max_groups: int, version: int) -> list[HeldGroup]:
+    @ray.method(num_returns=2)
+    def take_partial(self, max_groups: int, version: int) -> tuple[list[HeldGroup], list]:
         return _held(self.store.take_partial(max_groups, version))
 
     def size(self) -> int:

@@ -8,6 +8,7 @@ import pytest
 import ray
 
 from actors.refs import fetch
+from actors.store import with_refs
 from april_ray.config import load_config
 from april_ray.placement import plan
 from april_ray.task.data import dataset_paths
@@ -136,7 +137,8 @@ def test_checkpoint_store_and_cursor_mid_run_restores_without_loss(local_ray, tm
 def partial_groups(store) -> list:
     """The store's partial groups with the engine each last ran on (its JSON state leaves that out): taken
     out and put back, in the same order."""
-    groups = ray.get(store.take_partial.remote(1 << 20, 0))
+    groups_ref, samples_ref = store.take_partial.remote(1 << 20, 0)
+    groups = with_refs(ray.get(groups_ref), samples_ref)
     ray.get(store.put_partial.remote([Group(g.group_id, g.prompt_index, g.handles, g.created_step, g.engine)
                                       for g in groups]))
     return groups
