@@ -160,6 +160,9 @@ def test_a_killed_engine_loses_no_sample(local_ray, tmp_path, model_dir, engines
         if stored:
             break
     assert stored, "some groups should have been left partial in six steps"
+    # the caller that takes groups from the store owns their samples (the store's own objects could be freed
+    # under a learner that borrows them through the monitor and the driver)
+    assert {h.ref.owner_address() for g in stored for h in g.handles} == {ray.put(None).owner_address()}
     victim = max((0, 1), key=lambda e: sum(g.engine == e for g in stored))
     assert any(g.engine == victim for g in stored)
     ray.kill(engines.actors[victim])
