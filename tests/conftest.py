@@ -124,7 +124,7 @@ def overlap_run(tmp_path_factory, model_dir):
     return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""})
 
 
-@shared_job
+@shared_job(runs=2)
 def watched_job(tmp_path_factory, model_dir):
     """tiny_cpu.yaml on the random tiny model, four steps submitted to a `ray start --head` that exports its
     metrics every second, each step paused past two export intervals by a slow reward (no over-sampling, so
@@ -158,7 +158,7 @@ class ResumedRun:
     wandb_runs: list = field(default_factory=list)
 
 
-@shared_job
+@shared_job(runs=2)
 def resumed_run(tmp_path_factory, model_dir) -> ResumedRun:
     """tiny_cpu.yaml for three steps, then resumed to six in the same output directory (test_train_job)."""
     from tests.local_job import SMALL, train_command

@@ -1,9 +1,9 @@
 """Jobs that session fixtures share, started ahead of the tests that read them. A job's phases are mostly one
 process at a time (the driver's imports, Ray's start, each actor's imports), so on two cores a job leaves
 about a core idle: the suite's other tests use it meanwhile. `shared_job` declares one, in conftest.py or in
-the test module that reads it; the jobs run in the order the collected tests first ask for them, two at a
-time in background threads, and a fixture asked for before its job started runs it itself. Only the jobs
-some collected test asks for are run (`pytest tests/test_config.py` starts none)."""
+the test module that reads it; the longest jobs start first, then in the order the collected tests first
+ask for them, two at a time in background threads, and a fixture asked for before its job started runs it
+itself. Only the jobs some collected test asks for are run (`pytest tests/test_config.py` starts none)."""
 from __future__ import annotations
 
 import functools
@@ -19,11 +19,19 @@ WORKERS = 2
 """Jobs run at once in the background (each also starts a local Ray of its own)."""
 
 
-def shared_job(job: Callable) -> Callable:
+RUNS: dict[str, int] = {}
+"""How many training jobs (or runs of a job's size) each shared job runs one after another."""
+
+
+def shared_job(job: Callable | None = None, *, runs: int = 1):
     """`job(tmp_path_factory, model_dir)` as the session fixture of its name, its job run once and started
     ahead: a job runs in a background thread, so it changes no process-wide state (no chdir, no
-    monkeypatch) and builds its paths from ROOT."""
+    monkeypatch) and builds its paths from ROOT. `@shared_job(runs=N)` for one that runs N jobs one after
+    another: the longest start first, so that none is left running alone at the end."""
+    if job is None:
+        return lambda job: shared_job(job, runs=runs)
     JOBS[job.__name__] = job
+    RUNS[job.__name__] = runs
 
     @pytest.fixture(scope="session", name=job.__name__)
     def fixture(prefetched, tmp_path_factory, random_model_dir):
@@ -40,13 +48,14 @@ def wanted(item) -> set[str]:
 
 
 def first_asked(names, items) -> list[str]:
-    """The `names` that `items` (the collected tests, in run order) ask for, first asked first."""
+    """The `names` that `items` (the collected tests, in run order) ask for: the longest first (`RUNS`),
+    then first asked first."""
     first = {}
     for i, item in enumerate(items):
         if item.get_closest_marker("skip") is None:
             for name in wanted(item) & set(names):
                 first.setdefault(name, i)
-    return sorted(first, key=first.get)
+    return sorted(first, key=lambda name: (-RUNS.get(name, 1), first[name]))
 
 
 class Prefetch:

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@shared_job
+@shared_job(runs=3)
 def bench_rollout_run(tmp_path_factory, model_dir):
     tmp = tmp_path_factory.mktemp("bench-rollout")
     out = tmp / "bench.json"

@@ -82,7 +82,7 @@ def test_reuse_takes_runs_by_mode_and_seed_and_refuses_another_config(tmp_path):
         reused_runs(str(earlier), {"train": {"num_steps": 40}, "task": {"num_eval": 2048}})
 
 
-@shared_job
+@shared_job(runs=3)
 def bench_train_run(tmp_path_factory, model_dir):
     """Four jobs of two steps, each starting its actors."""
     tmp = tmp_path_factory.mktemp("bench-train")

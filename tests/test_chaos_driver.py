@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@shared_job
+@shared_job(runs=2)
 def driver_kill_run(tmp_path_factory, model_dir):
     """One driver kill in six steps (`run_driver_kills`, in a background thread: its jobs run from ROOT)."""
     tmp_path = tmp_path_factory.mktemp("driver-kills")

@@ -243,7 +243,7 @@ def files_of(path: Path) -> dict:
     return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-@shared_job
+@shared_job(runs=2)
 def fresh_twice_then_tampered(tmp_path_factory, model_dir) -> dict:
     """As a user runs it: the same command twice; then pickles in place of the second run's tensor files, its
     manifest rewritten to match, and a resume. What each step left, for the test to judge."""

@@ -54,7 +54,7 @@ async def episode(ep):
 '''
 
 
-@shared_job
+@shared_job(runs=2)
 def trajectory_kill_run(tmp_path_factory, model_dir):
     """The agent task with a tool that checks its trajectory, four steps and one driver kill
     (`run_driver_kills`, in a background thread: its jobs run from ROOT, the plug-in on their PYTHONPATH)."""

@@ -75,7 +75,7 @@ def latest(out: Path) -> str:
     return (out / "latest").read_text().strip() if (out / "latest").is_file() else ""
 
 
-@shared_job
+@shared_job(runs=2)
 def contested(tmp_path_factory, random_model_dir):
     """Two fresh jobs started together in one output directory; once the one that got it saved a checkpoint,
     a resume there; once it saved another, it is SIGKILLed, and a resume goes on with its run for one step."""

@@ -170,7 +170,7 @@ def test_a_bad_plugin_stops_the_job_before_ray_starts_in_one_line(tmp_path, rand
     assert not (out / "metrics.jsonl").exists()
 
 
-@shared_job
+@shared_job(runs=2)
 def raising_episode_runs(tmp_path_factory, model_dir):
     """Two jobs with BADMOD's `flaky` episode: one group in two raising, then every one."""
     tmp_path = tmp_path_factory.mktemp("raising-episode")

@@ -102,7 +102,7 @@ def test_fit_by_gap_finds_steps_that_follow_other_work_costlier():
     assert sum(b["steps"] for b in bins) == 290
 
 
-@shared_job
+@shared_job(runs=2)
 def measure_cpu_runs(tmp_path_factory, model_dir):
     """`--measure-cpu`, then `--calibrate` with its costs and a bench JSON that has none of its own."""
     tmp = tmp_path_factory.mktemp("measure-cpu")
