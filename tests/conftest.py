@@ -119,8 +119,11 @@ def overlap_run(tmp_path_factory, model_dir):
     from tests.local_job import SMALL, run_job, train_command
 
     tmp = tmp_path_factory.mktemp("overlap-job")
+    # long responses: groups finish far apart, so a kept step's N-th complete group leaves others generating
+    # (at SMALL's 24 tokens nearly every sample runs to the cap, and all groups can finish in one engine step)
     cmd = train_command("configs/tiny_cpu.yaml", model_dir, tmp, *SMALL, "train.overlap=true", "train.num_steps=5",
-                        "train.save_every=3", "train.eval_every=2", "logging.dashboard=false")
+                        "train.save_every=3", "train.eval_every=2", "logging.dashboard=false",
+                        "sampling.max_response_len=200", "engine.max_model_len=256")
     return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""})
 
 
