@@ -22,6 +22,7 @@ steps, output in outputs/chaos, wandb off. Key=value overrides come after these 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from jobs.common import write_result
 from april_ray.config import ConfigError, add_config_args, config_from_args
-from driver.records import check_records, read_rows
+from driver.records import check_records
 from jobs.chaos_driver import ToolRecords, run_driver_kills, tool_calls_across_kills
 
 DEFAULTS = ["train.num_steps=30", "task.num_eval=128", "train.eval_every=10", "train.output_dir=outputs/chaos",
@@ -78,15 +79,26 @@ class EngineKiller(threading.Thread):
         self.first_row_s: float | None = None
         self.tools: list[ToolRecords] = []
         """The tool runs and the journal as each kill left them: what a replayed episode finds there."""
+        self.error: str | None = None
 
     def steps_done(self) -> tuple[int, float]:
-        """(steps recorded so far, mean seconds per step since the first one was seen)."""
-        n = sum(1 for r in read_rows(self.out_dir) if "end" not in r)
+        """(steps recorded so far, mean seconds per step since the first one was seen). A row the job is
+        still writing (a torn last line) is not counted yet."""
+        path = self.out_dir / "groups.jsonl"
+        lines = path.read_text().split("\n")[:-1] if path.is_file() else []  # the text after the last newline is torn
+        n = sum(1 for line in lines if line.strip() and "end" not in json.loads(line))
         if n and self.first_row_s is None:
             self.first_row_s = time.time()
         return n, (time.time() - self.first_row_s) / (n - 1) if n > 1 else 1.0
 
     def run(self) -> None:
+        try:
+            self.kill_all()
+        except Exception as e:  # reported in the result: a kill that did not land must not pass unseen
+            self.error = f"{type(e).__name__}: {e}"
+            raise
+
+    def kill_all(self) -> None:
         step_s = 1.0
         for at in self.at_steps:
             while not self.stop.is_set():
@@ -140,11 +152,13 @@ def run_engine_kills(cfg, args) -> dict:
               "steps": cfg.train.num_steps, "staleness_bound": cfg.staleness.max_versions,
               "staleness_policy": cfg.staleness.policy, "wall_s": time.time() - t0,
               "accuracy_before": summary.get("accuracy_before"), "accuracy_after": summary.get("accuracy_after"),
-              "engine_restarts": last_metric(out, "engine/restarts"), "error": error}
+              "engine_restarts": last_metric(out, "engine/restarts"), "error": error,
+              "killer_error": killer.error}
     result |= check_records(out, cfg.rollout.n_samples_per_prompt)
     result |= tool_calls_across_kills(ToolRecords.read(out), killer.tools)
     bounded = cfg.staleness.trains(result["max_trained_staleness"])
-    result["ok"] = (error is None and result["steps_completed"] == result["steps"] and not result["lost_samples"]
+    result["ok"] = (error is None and killer.error is None and result["kills"] == args.kills
+                    and result["steps_completed"] == result["steps"] and not result["lost_samples"]
                     and not result["duplicated_samples"] and bounded and not result["tool_calls_run_twice"])
     return result
 

@@ -84,6 +84,21 @@ def test_the_records_account_for_the_groups_the_over_provisioned_baseline_discar
     assert r["lost_samples"] == r["duplicated_samples"] == r["unknown_groups"] == 0
 
 
+def test_the_killer_counts_only_the_rows_the_job_finished_writing(tmp_path):
+    """The job appends a step's row while the killer reads: a torn last line is not a step yet (it once
+    raised in the killer's thread, and the run's second kill never came)."""
+    from jobs.chaos import EngineKiller
+
+    killer = EngineKiller(kills=2, num_steps=8, out_dir=tmp_path, seed=15)
+    assert killer.steps_done()[0] == 0
+    rows = [step_row(0, ["e0p0"]), step_row(1, ["e0p1"])]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "groups.jsonl").write_text(text + json.dumps(step_row(2, ["e0p2"]))[:40])
+    assert killer.steps_done()[0] == 2
+    (tmp_path / "groups.jsonl").write_text(text + json.dumps(end_row(1, 0, 2)) + "\n")
+    assert killer.steps_done()[0] == 2
+
+
 def chaos_run(tmp_path_factory, model_dir, config: str):
     tmp = tmp_path_factory.mktemp("chaos")
     out = tmp / "chaos.json"
@@ -120,7 +135,7 @@ def test_chaos_engine_kills_lose_and_repeat_nothing(request, run):
     proc, out = request.getfixturevalue(run)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["ok"] and r["error"] is None and r["kills"] == 2
+    assert r["ok"] and r["error"] is None and r["killer_error"] is None and r["kills"] == 2
     assert r["steps_completed"] == r["steps"] == 8
     assert r["lost_samples"] == 0 and r["duplicated_samples"] == 0 and r["unknown_groups"] == 0
     assert r["max_trained_staleness"] <= r["staleness_bound"] == 1
