@@ -15,7 +15,6 @@ import traceback
 from pathlib import Path
 
 from driver.output_dir import OutputDirBusy
-from driver.train import train
 from jobs.common import parse, write_result
 from jobs.plan import check_memory
 
@@ -25,6 +24,8 @@ ERRORS_LOG = "errors.log"
 def main() -> None:
     cfg, args = parse(__doc__, lambda p: p.add_argument("--summary", help="write the summary JSON here"))
     check_memory(cfg)  # learner GPUs that cannot hold the memory plan stop the job before anything starts
+    from driver.train import train  # here, so that --help and --print-config answer without importing torch
+
     try:
         summary = train(cfg)
     except Exception as e:
