@@ -108,7 +108,7 @@ def http_run(tmp_path_factory, model_dir):
 
     tmp = tmp_path_factory.mktemp("http-job")
     cmd, address = on_lan_hostname(train_command("configs/tiny_cpu_http.yaml", model_dir, tmp, *SMALL,
-                                                 "train.num_steps=3", "train.eval_every=2", "train.save_every=3"), tmp)
+                                                 "engine.num_engines=2", "train.num_steps=3", "train.eval_every=2", "train.save_every=3"), tmp)
     return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""}, hostname_address=address)
 
 
@@ -142,6 +142,7 @@ def watched_job(tmp_path_factory, model_dir):
         "train.num_steps=4 train.eval_every=2 task.num_eval=32",
         "rollout.rollout_batch_size=4 rollout.over_sampling_batch_size=4 rollout.n_samples_per_prompt=4",
         "sampling.max_response_len=64 learner.backend=torch logging.wandb_mode=disabled logging.tensorboard=true",
+        "engine.num_engines=1",
         "task.reward_fn=tests.slow_reward:countdown_after_a_pause"])
 
 

@@ -28,8 +28,9 @@ def driver_kill_run(tmp_path_factory, model_dir):
                  "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4", "sampling.max_response_len=200",
                  "engine.max_model_len=256", "algorithm.overlong_buffer=8", "learner.lr=1e-3", "train.num_steps=6",
                  "train.eval_every=100", "train.save_every=1", "logging.wandb_mode=disabled", "logging.dashboard=false",
-                 "learner.backend=torch"]
-    # the torch learner: no DeepSpeed engine to set up in each run (what is checked does not depend on it)
+                 "learner.backend=torch", "engine.num_engines=1"]
+    # the torch learner and one engine: fewer processes to start in each run (what is checked does not
+    # depend on them)
     # A checkpoint every step: the kill, a random part of a step after a step's row, may land while that
     # step's checkpoint is still being written, and the resume must still find the one before it. Long
     # responses: groups finish far apart, so each checkpoint's store holds partial groups (at 24 tokens

@@ -235,7 +235,7 @@ def run_job(tmp_path, model_dir, env, *overrides):
            "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4",
            "sampling.max_response_len=24", "engine.max_model_len=64", "train.num_steps=2", "train.eval_every=1000",
            "train.save_every=2", "train.eval_greedy=false", "logging.wandb_mode=disabled", "logging.dashboard=false",
-           *overrides]
+           "engine.num_engines=1", *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 

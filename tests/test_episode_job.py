@@ -67,9 +67,10 @@ def trajectory_kill_run(tmp_path_factory, model_dir):
                  "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4", "sampling.max_response_len=48",
                  "engine.max_model_len=192", "algorithm.overlong_buffer=8", "learner.lr=1e-3", "train.num_steps=4",
                  "train.eval_every=100", "train.save_every=1", "logging.wandb_mode=disabled", "logging.dashboard=false",
-                 "learner.backend=torch",
+                 "learner.backend=torch", "engine.num_engines=1",
                  "rollout.episode_fn=trajectory_env:episode", "staleness.policy=restart", "staleness.max_versions=0"]
-    # the torch learner: no DeepSpeed engine to set up in each run (what is checked does not depend on it)
+    # the torch learner and one engine: fewer processes to start in each run (what is checked does not
+    # depend on them)
     cfg = load_config(str(ROOT / "configs/tiny_cpu.yaml"), overrides)
     args = argparse.Namespace(config="configs/tiny_cpu.yaml", overrides=overrides, driver_kills=1, seed=4)
     return tmp_path, run_driver_kills(cfg, args, {**USER_ENV, "PYTHONPATH": str(plug)})

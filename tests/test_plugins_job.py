@@ -61,7 +61,8 @@ JOB_ENV = {**USER_ENV, "RAY_ADDRESS": ""}
 @shared_job
 def reward_fn_run(tmp_path_factory, model_dir):
     tmp_path = tmp_path_factory.mktemp("reward-fn")
-    return tmp_path, *run_with_plugin(tmp_path, model_dir, JOB_ENV, "mymod", MYMOD, "task.reward_fn=mymod:score")
+    return tmp_path, *run_with_plugin(tmp_path, model_dir, JOB_ENV, "mymod", MYMOD, "task.reward_fn=mymod:score",
+                                      "engine.num_engines=1")
 
 
 def test_reward_fn_and_dataset_from_outside_the_repository(reward_fn_run):
@@ -175,9 +176,9 @@ def raising_episode_runs(tmp_path_factory, model_dir):
     """Two jobs with BADMOD's `flaky` episode: one group in two raising, then every one."""
     tmp_path = tmp_path_factory.mktemp("raising-episode")
     some = run_with_plugin(tmp_path / "some", model_dir, JOB_ENV, "badmod", BADMOD,
-                           "rollout.episode_fn=badmod:flaky", steps=2)
+                           "rollout.episode_fn=badmod:flaky", "engine.num_engines=1", steps=2)
     every = run_with_plugin(tmp_path / "all", model_dir, JOB_ENV, "badmod", BADMOD, "rollout.episode_fn=badmod:flaky",
-                            "rollout.episode_kwargs={fail_all: true}", steps=2, expect_rc=1)
+                            "rollout.episode_kwargs={fail_all: true}", "engine.num_engines=1", steps=2, expect_rc=1)
     return some, every
 
 
