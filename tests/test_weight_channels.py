@@ -79,6 +79,44 @@ def test_a_broadcast_leaves_a_dead_server_out_and_a_rebuilt_group_takes_its_succ
                 s.stop()
 
 
+class DiesMidBroadcast(SGLangEngine):
+    """The client of a server that is SIGKILLed as its first bucket is announced, as a chaos kill can land:
+    the group's other members are inside that bucket's broadcast, and rank 0's send to it (rank 1: it
+    receives first) fails on the reset connection, before the tensors went on to the others."""
+
+    def __init__(self, server):
+        super().__init__(server.url, admin_api_key=server.admin_api_key)
+        self.proc, self.buckets = server.proc, 0
+
+    async def update_weights_from_distributed(self, *args, **kwargs) -> None:
+        self.buckets += 1
+        if self.buckets == 1:
+            self.proc.kill()
+            self.proc.wait()
+        await super().update_weights_from_distributed(*args, **kwargs)
+
+
+@pytest.mark.timeout(300)  # a survivor left waiting for the broadcast runs into the group's hour-long timeout
+def test_a_server_killed_mid_broadcast_leaves_the_others_free_at_once(random_model_dir, model, tmp_path):
+    """The sender's end of the broken group closes at once, so the surviving server's receive fails instead
+    of waiting out the group's timeout (the publish, and every engine paused by it, waited with it)."""
+    ids = [5, 6, 7, 8]
+    a, b = start(random_model_dir, tmp_path), start(random_model_dir, tmp_path)
+    # one bucket of tensors of megabytes: more than a socket's buffer, so the dead peer's reset is seen
+    sender = BroadcastGroup("127.0.0.1", "gloo", bucket_mb=64, timeout_s=3600)
+    try:
+        async def main():
+            weights = moved(model, 3)
+            loaded = await sender.send([DiesMidBroadcast(b), *admin(a)], list(weights.items()), 1, True)
+            return loaded, await greedy(a, ids), weights
+        loaded, out_a, weights = asyncio.run(main())
+        assert loaded == [a.url]  # regrouped with the survivor, which loaded the whole publish
+        assert out_a == reference(model, weights, ids)
+    finally:
+        for s in (a, b):
+            s.stop()
+
+
 def test_a_handoff_or_disk_load_to_a_dead_server_leaves_it_out(random_model_dir, model, tmp_path):
     a, b = start(random_model_dir, tmp_path), start(random_model_dir, tmp_path)
     try:

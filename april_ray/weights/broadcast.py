@@ -113,12 +113,11 @@ class BroadcastGroup:
                 posts = asyncio.gather(*[c.update_weights_from_distributed(meta.names, meta.dtypes, meta.shapes,
                                                                            self.group_name, flush_cache, last)
                                          for c in self.clients], return_exceptions=True)
-                try:
-                    await asyncio.to_thread(broadcast_bucket, self.pg, bucket, device)
-                except RuntimeError:  # a server died: the others wait for tensors that will not come
+                error = await asyncio.to_thread(broadcast_bucket, self.pg, bucket, device)
+                if error is not None:  # a server died: the others wait for tensors that will not come
                     self._drop_local()
                     await posts
-                    raise
+                    raise RuntimeError(error)
                 raise_first(await posts)
 
     def _drop_local(self) -> None:
@@ -137,7 +136,14 @@ class BroadcastGroup:
         self.clients = []
 
 
-def broadcast_bucket(pg, bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> None:
-    """Sender side of one bucket: rank 0 broadcasts each tensor, in order, as the receivers expect."""
-    for _, t in bucket:
-        dist.broadcast(t.detach().to(device).contiguous(), src=0, group=pg)
+def broadcast_bucket(pg, bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> str | None:
+    """Sender side of one bucket: rank 0 broadcasts each tensor, in order, as the receivers expect. Returns
+    the error of a failed broadcast as text: the exception's traceback would hold the failed work, and
+    through it the group's connections, open, and the surviving receivers would wait out the group's
+    timeout instead of failing when the group is destroyed."""
+    try:
+        for _, t in bucket:
+            dist.broadcast(t.detach().to(device).contiguous(), src=0, group=pg)
+    except RuntimeError as e:  # gloo's error on a peer that died; NCCL's on a broken communicator
+        return str(e)
+    return None
