@@ -45,7 +45,7 @@ def test_training_over_http_with_weights_broadcast_into_the_servers(http_run, ra
 
 def test_sglang_server_on_a_cluster_without_gpus_fails_at_once(tmp_path, random_model_dir):
     proc = train(tmp_path, random_model_dir, "train.num_steps=1", "engine.backend=sglang", "placement.engine_gpus=1",
-                 timeout=300)
+                 "engine.num_engines=2", timeout=300)
     assert proc.returncode != 0
     err = proc.stderr[-3000:]
     assert "asks for" in err and "'GPU': 2.0" in err and "has no GPU" in err and "'CPU'" in err, err
