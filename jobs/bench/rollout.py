@@ -62,8 +62,9 @@ class Shared:
     """The actors the modes take turns on. One prompt source: a mode puts its cursor in before each of its
     steps and takes it back after, so it gets the prompts a source of its own would hand it (a source costs
     ~3 CPU-seconds to start, its tokenizer's imports; one per mode and sweep point was a third of a run's
-    CPU). And the stores, each emptied before the next mode takes it up. The modes' configs differ only in
-    their rollout section, and neither the source nor the store reads it (driver/rollout.py)."""
+    CPU). And the stores, each emptied before the next mode takes it up. Both are built as
+    `RolloutGroup.start` builds them (driver/rollout.py), from no key of the rollout section: the only
+    one the modes' configs differ in."""
 
     def __init__(self, cfg: Config, job: JobInputs):
         self.source = PromptSourceActor.remote(job.train_path, cfg.task, str(job.model_path),
@@ -79,7 +80,8 @@ class Shared:
         if self.free_stores:
             return self.free_stores.pop()
         store = StoreActor.remote(self.staleness)
-        self.empty_store = self.empty_store or ray.get(store.state_dict.remote())
+        if self.empty_store is None:
+            self.empty_store = ray.get(store.state_dict.remote())  # a new store's: nothing stored
         return store
 
     def give_back(self, store) -> None:
@@ -126,7 +128,9 @@ def run_interleaved(modes: list[Mode], engines: EngineGroup, weights_ref, steps:
     """Step i of every mode, one after the other, then step i + 1: the machine's drift over the run
     (its throughput moved by 20% within one run here) falls on every mode alike. Every mode's step i runs
     under policy version i, which a stand-in learner publishes through the real weight path. `probe()`
-    runs every `probe_every` measured rounds (not after the last)."""
+    runs every `probe_every` measured rounds (not after the last). Every mode's monitor and store are up
+    before the first step (no step's time is an actor's start)."""
+    ray.get([mode.monitor.state_dict.remote() for mode in modes] + [mode.store.size.remote() for mode in modes])
     for step in range(warmup_steps + steps):
         engines.publish(weights_ref, step)
         for mode in modes:
