@@ -4,8 +4,8 @@
 
 The config defaults to configs/tiny_cpu.yaml, the embedded default the main job trains with.
 
-Per mode: fresh prompt source (same seed, so the same prompts), store and monitor on the same engine
-actors; `--warmup-steps` unmeasured steps, then `--steps` measured ones. The modes run interleaved, step
+Per mode: a fresh prompt source's cursor (same seed, so the same prompts), an empty store and a monitor
+of its own on the same engine actors; `--warmup-steps` unmeasured steps, then `--steps` measured ones. The modes run interleaved, step
 by step, so that the machine's drift falls on all of them alike. Before each step a stand-in learner
 publishes the weights again under the next policy version (through the real weight path), so versions
 and staleness are exercised. Each sweep point runs interleaved with a sync baseline of its own. The
@@ -27,14 +27,16 @@ from pathlib import Path
 import numpy as np
 import ray
 
+from actors.monitor import CompletionMonitorActor
+from actors.prompt_source import PromptSourceActor
+from actors.store import StoreActor
 from jobs.bench.steplog import StepLog, public
 from driver.cluster import init_ray
 from jobs.common import parse, write_result
-from april_ray.config import Config, over_sampling_batch_size, with_rollout
+from april_ray.config import Config, over_sampling_batch_size, run_seeded, with_rollout
 from april_ray.model import load_policy
 from april_ray.task.data import read_examples
 from driver.engines import EngineGroup
-from driver.rollout import RolloutGroup
 from driver.setup import JobInputs, prepare
 
 def saturated_tok_s(engines: EngineGroup, prompts: list[list[int]], seconds: float) -> tuple[float, float]:
@@ -56,30 +58,66 @@ def set_kv_reuse(engines: EngineGroup, enabled: bool) -> None:
     ray.get([e.set_kv_reuse.remote(enabled) for e in engines.actors])
 
 
-class Mode:
-    """One rollout configuration with its own source, store and monitor on the shared engines."""
+class Shared:
+    """The actors the modes take turns on. One prompt source: a mode puts its cursor in before each of its
+    steps and takes it back after, so it gets the prompts a source of its own would hand it (a source costs
+    ~3 CPU-seconds to start, its tokenizer's imports; one per mode and sweep point was a third of a run's
+    CPU). And the stores, each emptied before the next mode takes it up. Both are built as
+    `RolloutGroup.start` builds them (driver/rollout.py), from no key of the rollout section: the only
+    one the modes' configs differ in."""
 
-    def __init__(self, name: str, cfg: Config, job: JobInputs, engines: EngineGroup, kv_reuse: bool = True):
-        self.name, self.cfg, self.engines, self.kv_reuse = name, cfg, engines, kv_reuse
-        self.actors = RolloutGroup.start(cfg, job.model_path, job.train_path, engines)
+    def __init__(self, cfg: Config, job: JobInputs):
+        self.source = PromptSourceActor.remote(job.train_path, cfg.task, str(job.model_path),
+                                               cfg.rollout.n_samples_per_prompt, cfg.sampling.max_response_len,
+                                               run_seeded(cfg.task.seed, cfg.train.seed),
+                                               cfg.engine.max_model_len - cfg.sampling.max_response_len)
+        self.fresh_cursor = ray.get(self.source.state_dict.remote())
+        self.staleness = cfg.staleness
+        self.free_stores: list = []
+        self.empty_store: dict | None = None
+
+    def store(self):
+        if self.free_stores:
+            return self.free_stores.pop()
+        store = StoreActor.remote(self.staleness)
+        if self.empty_store is None:
+            self.empty_store = ray.get(store.state_dict.remote())  # a new store's: nothing stored
+        return store
+
+    def give_back(self, store) -> None:
+        ray.get(store.load_state_dict.remote(self.empty_store))
+        self.free_stores.append(store)
+
+
+class Mode:
+    """One rollout configuration with its own cursor, store and monitor on the shared engines."""
+
+    def __init__(self, name: str, cfg: Config, shared: Shared, engines: EngineGroup, kv_reuse: bool = True):
+        self.name, self.cfg, self.engines, self.kv_reuse, self.shared = name, cfg, engines, kv_reuse, shared
+        self.cursor, self.store = shared.fresh_cursor, shared.store()
+        self.monitor = CompletionMonitorActor.remote(cfg.rollout, cfg.staleness, engines.actors, engines.capacities,
+                                                     shared.source, self.store,
+                                                     reward_per_group=cfg.task.reward_per_group)
         self.log = StepLog(cfg.rollout.n_samples_per_prompt)
 
     def step(self, step: int, version: int, measured: bool) -> None:
         set_kv_reuse(self.engines, self.kv_reuse)
+        ray.get(self.shared.source.load_state_dict.remote(self.cursor))
         before = self.engines.stats(drain=True)
         t0 = time.perf_counter()
-        result = ray.get(self.actors.monitor.step.remote(step, version))
+        result = ray.get(self.monitor.step.remote(step, version))
         dt = time.perf_counter() - t0
         after = self.engines.stats(drain=True)
+        self.cursor = ray.get(self.shared.source.state_dict.remote())
         if measured:
-            self.log.add(dt, result, ray.get(self.actors.store.size.remote()), before, after)
+            self.log.add(dt, result, ray.get(self.store.size.remote()), before, after)
 
     def result(self) -> dict:
-        actors = self.actors
-        taken = ray.get(actors.source.num_groups_taken.remote())
-        counters = ray.get(actors.monitor.state_dict.remote())
-        stored = ray.get(actors.store.size.remote())
-        actors.shutdown()
+        taken = self.cursor["num_groups_taken"]
+        counters = ray.get(self.monitor.state_dict.remote())
+        stored = ray.get(self.store.size.remote())
+        ray.kill(self.monitor)
+        self.shared.give_back(self.store)
         unaccounted = taken - counters["returned_groups"] - counters["dropped_groups"] - stored
         return {**self.log.summary(len(self.engines.actors), unaccounted),
                 "_occupancy": self.log.occupancy, "_lengths": self.log.lengths}
@@ -90,7 +128,9 @@ def run_interleaved(modes: list[Mode], engines: EngineGroup, weights_ref, steps:
     """Step i of every mode, one after the other, then step i + 1: the machine's drift over the run
     (its throughput moved by 20% within one run here) falls on every mode alike. Every mode's step i runs
     under policy version i, which a stand-in learner publishes through the real weight path. `probe()`
-    runs every `probe_every` measured rounds (not after the last)."""
+    runs every `probe_every` measured rounds (not after the last). Every mode's monitor and store are up
+    before the first step (no step's time is an actor's start)."""
+    ray.get([mode.monitor.state_dict.remote() for mode in modes] + [mode.store.size.remote() for mode in modes])
     for step in range(warmup_steps + steps):
         engines.publish(weights_ref, step)
         for mode in modes:
@@ -150,7 +190,7 @@ def plot(out_dir: Path, modes: dict[str, dict], cap: int) -> list[str]:
     return files + [str(path)]
 
 
-def sweep(cfg: Config, job: JobInputs, engines: EngineGroup, weights_ref, steps: int, warmup_steps: int,
+def sweep(cfg: Config, shared: Shared, engines: EngineGroup, weights_ref, steps: int, warmup_steps: int,
           ceiling_before: float, probe) -> dict:
     """The paper's ablation of the over-provisioning factor N'/N. Each point runs interleaved with a sync
     baseline of its own (every Ray actor costs ~1% of a core even idle, so the points do not all run at
@@ -161,10 +201,10 @@ def sweep(cfg: Config, job: JobInputs, engines: EngineGroup, weights_ref, steps:
             "engine_busy_fraction", "engine_on_core")
     out = {}
     for ratio in (1, 1.5, 2, 3, 4):
-        modes = [Mode("sync", with_rollout(cfg, schedule="sync", over_sampling_batch_size=n), job, engines),
+        modes = [Mode("sync", with_rollout(cfg, schedule="sync", over_sampling_batch_size=n), shared, engines),
                  Mode("april", with_rollout(cfg, schedule="april",
                                                 over_sampling_batch_size=over_sampling_batch_size(ratio, n)),
-                      job, engines)]
+                      shared, engines)]
         res = run_interleaved(modes, engines, weights_ref, steps, warmup_steps)
         sync, april = res["sync"], res["april"]
         ceiling_after = probe()
@@ -210,12 +250,13 @@ def main() -> None:
     probe()
 
     n = cfg.rollout.rollout_batch_size
-    modes = [Mode("sync", with_rollout(cfg, schedule="sync", over_sampling_batch_size=n), job, engines),
-             Mode("april", with_rollout(cfg, schedule="april"), job, engines)]
+    shared = Shared(cfg, job)
+    modes = [Mode("sync", with_rollout(cfg, schedule="sync", over_sampling_batch_size=n), shared, engines),
+             Mode("april", with_rollout(cfg, schedule="april"), shared, engines)]
     if cfg.engine.backend == "cpu" and cfg.engine.park_slots and cfg.engine.reuse_stale_kv:
         # Ablation in the same run: APRIL with every resume re-prefilled, as in slime and AReaL (the in-actor
         # engine's switch; an HTTP server has no such switch in SGLang's API).
-        modes.append(Mode("april_recompute", with_rollout(cfg, schedule="april"), job, engines,
+        modes.append(Mode("april_recompute", with_rollout(cfg, schedule="april"), shared, engines,
                           kv_reuse=False))
     results = run_interleaved(modes, engines, weights_ref, args.steps, args.warmup_steps, probe, args.probe_every)
     probe()
@@ -239,7 +280,7 @@ def main() -> None:
         "plots": plot(out_dir, results, engines.capacities[0]),
     }
     if args.sweep:
-        result["sweep"] = sweep(cfg, job, engines, weights_ref, args.sweep_steps, args.warmup_steps,
+        result["sweep"] = sweep(cfg, shared, engines, weights_ref, args.sweep_steps, args.warmup_steps,
                                 saturated[-1], probe)
         result["saturated_runs"] = saturated
     write_result(args.json, result)
