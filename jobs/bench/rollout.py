@@ -5,8 +5,8 @@
 The config defaults to configs/tiny_cpu.yaml, the embedded default the main job trains with.
 
 Per mode: a fresh prompt source's cursor (same seed, so the same prompts), an empty store and a monitor
-of its own on the same engine actors; `--warmup-steps` unmeasured steps, then `--steps` measured ones. The modes run interleaved, step
-by step, so that the machine's drift falls on all of them alike. Before each step a stand-in learner
+of its own on the same engine actors; `--warmup-steps` unmeasured steps, then `--steps` measured ones.
+The modes run interleaved, step by step, so that the machine's drift falls on all of them alike. Before each step a stand-in learner
 publishes the weights again under the next policy version (through the real weight path), so versions
 and staleness are exercised. Each sweep point runs interleaved with a sync baseline of its own. The
 ceiling is the engines' saturated throughput measured in the same run, between the measured steps
