@@ -4,6 +4,8 @@ Several raylets on one machine (`ray.cluster_utils.Cluster`) stand in for a mult
 GPUs stand in for real ones in the placement math.
 """
 
+import itertools
+
 import pytest
 import ray
 
@@ -12,7 +14,7 @@ from actors.store import with_refs
 from april_ray.config import load_config
 from april_ray.placement import plan
 from april_ray.task.data import dataset_paths
-from driver.engines import EngineGroup
+from driver.engines import EngineGroup, settle
 from driver.rollout import RolloutGroup
 from april_ray.types import Group, SampleState
 
@@ -56,9 +58,16 @@ def run_steps(cfg, model_dir, engines, num_steps, first_step=0, actors=None):
     return actors, results
 
 
+ENGINE_SETS = 4
+"""The engine configurations (`engine_key`) of the tests here: each set of engines holds a placement group of
+`plan`'s bundles (two engines and a learner's, a CPU each) for the whole module."""
+
+
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)  # a Ray of its own, never one `ray start` left running
+    # a Ray of its own, never one `ray start` left running; logical CPUs for every shared engine set's
+    # bundles at once, and one for the rollout actors (they take a CPU to be placed)
+    ray.init(address="local", num_cpus=3 * ENGINE_SETS + 1, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -68,18 +77,68 @@ def model_dir(random_model_dir):
     return str(random_model_dir)
 
 
+def engine_key(cfg, model_dir) -> str:
+    """What an engine actor and its placement are built from (`EngineGroup.start`): tests whose configs agree
+    on it can run on the same engines."""
+    r = cfg.rollout
+    return repr((cfg.engine, cfg.sampling, cfg.staleness, cfg.task, cfg.placement, cfg.train.output_dir, model_dir,
+                 r.episode_fn, r.episode_kwargs, r.tool_timeout_s, r.max_turns, r.max_env_tokens_per_turn))
+
+
+@pytest.fixture(scope="module")
+def engine_sets(local_ray):
+    """Engines started by `engine_key`, shared by the module's tests (starting engine processes is most of a
+    test's cost), and the model's own weights in the object store by model directory (`as_if_started`)."""
+    sets, weights = {}, {}
+    yield sets, weights
+    for engines in sets.values():
+        engines.shutdown()
+
+
+RESETS = itertools.count()
+
+
+def as_if_started(shared, initial_weights):
+    """Started engines, handed to a test as `EngineGroup.start` leaves them, through their own API: no
+    request left running (a test that failed mid-step), no parked KV cache (a version past every parked
+    cache's reuse window, staleness.max_versions, expires it), the model's weights at version 0, statistics
+    drained, and a group of the test's own (its actor list, restart and skip counters, no weights source).
+    The engines' cumulative token counters and sampling streams go on from earlier tests. None when an
+    engine is dead (a test killed it for good) or does not answer."""
+    status = settle([a.status.remote() for a in shared.actors], timeout_s=120.0)
+    if any(isinstance(st, Exception) for st in status):
+        return None
+    ray.get([a.abort_all.remote(("as_if_started", next(RESETS))) for a in shared.actors])
+    engines = EngineGroup(list(shared.actors), list(shared.capacities), shared.placement_group, shared.layout,
+                          incarnations=[st["incarnation"] for st in status])
+    engines.publish(None, max(st["version"] for st in status) + 10 ** 6)
+    engines.publish(initial_weights, 0)
+    engines.weights = (None, 0)  # as `start` leaves it: the weights the engines loaded
+    engines.stats()
+    return engines
+
+
 @pytest.fixture
-def engines_of():
-    """start_engines, with the engines and their placement group released after the test."""
-    started = []
+def engines_of(engine_sets):
+    """Engines for a config: those of the module's set for its `engine_key` (started the first time, and
+    again after a test killed one for good), as if just started (`as_if_started`)."""
+    sets, weights = engine_sets
 
     def start(cfg, model_dir):
-        started.append(start_engines(cfg, model_dir, timeout_s=60))
-        return started[-1]
+        key = engine_key(cfg, model_dir)
+        if model_dir not in weights:
+            from april_ray.model import load_policy
 
-    yield start
-    for engines in started:
-        engines.shutdown()
+            weights[model_dir] = ray.put(load_policy(model_dir)[0].state_dict())
+        engines = as_if_started(sets[key], weights[model_dir]) if key in sets else None
+        if engines is None:
+            if key in sets:
+                sets.pop(key).shutdown()
+            sets[key] = start_engines(cfg, model_dir, timeout_s=60)
+            engines = as_if_started(sets[key], weights[model_dir])
+        return engines
+
+    return start
 
 
 @pytest.mark.parametrize("park", [False, True])
