@@ -83,11 +83,11 @@ def model_dir(random_model_dir):
 
 
 def engine_key(cfg, model_dir) -> str:
-    """What an engine actor and its placement are built from (`EngineGroup.start`): tests whose configs agree
-    on it can run on the same engines."""
+    """What engine actors and their placement (`plan`) are built from (`EngineGroup.start`): tests whose
+    configs agree on it can run on the same engines."""
     r = cfg.rollout
-    return repr((cfg.engine, cfg.sampling, cfg.staleness, cfg.task, cfg.placement, cfg.train.output_dir, model_dir,
-                 r.episode_fn, r.episode_kwargs, r.tool_timeout_s, r.max_turns, r.max_env_tokens_per_turn))
+    return repr((cfg.engine, cfg.sampling, cfg.staleness, cfg.task, cfg.placement, cfg.learner, cfg.train.output_dir,
+                 model_dir, r.episode_fn, r.episode_kwargs, r.tool_timeout_s, r.max_turns, r.max_env_tokens_per_turn))
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,8 @@ def as_if_started(shared, initial_weights):
         return None
     ray.get([a.abort_all.remote(("as_if_started", next(RESETS))) for a in shared.actors])
     engines = EngineGroup(list(shared.actors), list(shared.capacities), shared.placement_group, shared.layout,
-                          incarnations=[st["incarnation"] for st in status])
+                          incarnations=[st["incarnation"] for st in status], journal=shared.journal,
+                          servers_take_weights=shared.servers_take_weights, releases_memory=shared.releases_memory)
     engines.publish(None, max(st["version"] for st in status) + 10 ** 6)
     engines.publish(initial_weights, 0)
     engines.weights = (None, 0)  # as `start` leaves it: the weights the engines loaded
