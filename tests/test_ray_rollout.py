@@ -4,15 +4,22 @@ Several raylets on one machine (`ray.cluster_utils.Cluster`) stand in for a mult
 GPUs stand in for real ones in the placement math.
 """
 
+import hashlib
+import itertools
+from pathlib import Path
+
 import pytest
 import ray
 
+import driver.rollout
+
+from actors.prompt_source import PromptSourceActor
 from actors.refs import fetch
 from actors.store import with_refs
 from april_ray.config import load_config
 from april_ray.placement import plan
 from april_ray.task.data import dataset_paths
-from driver.engines import EngineGroup
+from driver.engines import EngineGroup, settle
 from driver.rollout import RolloutGroup
 from april_ray.types import Group, SampleState
 
@@ -56,9 +63,16 @@ def run_steps(cfg, model_dir, engines, num_steps, first_step=0, actors=None):
     return actors, results
 
 
+ENGINE_SETS = 3
+"""The engine configurations (`engine_key`) of the tests here: each set of engines holds a placement group of
+`plan`'s bundles (two engines and a learner's, a CPU each) for the whole module."""
+
+
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)  # a Ray of its own, never one `ray start` left running
+    # a Ray of its own, never one `ray start` left running; logical CPUs for every shared engine set's
+    # bundles at once, and one for the rollout actors (they take a CPU to be placed)
+    ray.init(address="local", num_cpus=3 * ENGINE_SETS + 1, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -68,42 +82,143 @@ def model_dir(random_model_dir):
     return str(random_model_dir)
 
 
-@pytest.fixture
-def engines_of():
-    """start_engines, with the engines and their placement group released after the test."""
-    started = []
+def engine_key(cfg, model_dir) -> str:
+    """What engine actors and their placement (`plan`) are built from (`EngineGroup.start`): tests whose
+    configs agree on it can run on the same engines."""
+    r = cfg.rollout
+    return repr((cfg.engine, cfg.sampling, cfg.staleness, cfg.task, cfg.placement, cfg.learner, cfg.train.output_dir,
+                 model_dir, r.episode_fn, r.episode_kwargs, r.tool_timeout_s, r.max_turns, r.max_env_tokens_per_turn))
 
-    def start(cfg, model_dir):
-        started.append(start_engines(cfg, model_dir, timeout_s=60))
-        return started[-1]
 
-    yield start
-    for engines in started:
+@pytest.fixture(scope="module")
+def engine_sets(local_ray):
+    """Engines started by `engine_key`, shared by the module's tests (starting engine processes is most of a
+    test's cost), and the model's own weights in the object store by model directory (`as_if_started`)."""
+    sets, weights, used = {}, {}, set()
+    yield sets, weights, used
+    for engines in sets.values():
         engines.shutdown()
 
 
+RESETS = itertools.count()
+
+
+def as_if_started(shared, initial_weights):
+    """Started engines, handed to a test as `EngineGroup.start` leaves them, through their own API: no
+    request left running (a test that failed mid-step), no parked KV cache (a version past every parked
+    cache's reuse window, staleness.max_versions, expires it), the model's weights at version 0, statistics
+    drained, and a group of the test's own (its actor list, restart and skip counters, no weights source).
+    The engines' cumulative token counters and sampling streams go on from earlier tests. None when an
+    engine is dead (a test killed it for good) or does not answer."""
+    status = settle([a.status.remote() for a in shared.actors], timeout_s=120.0)
+    if any(isinstance(st, Exception) for st in status):
+        return None
+    ray.get([a.abort_all.remote(("as_if_started", next(RESETS))) for a in shared.actors])
+    engines = EngineGroup(list(shared.actors), list(shared.capacities), shared.placement_group, shared.layout,
+                          incarnations=[st["incarnation"] for st in status], journal=shared.journal,
+                          servers_take_weights=shared.servers_take_weights, releases_memory=shared.releases_memory)
+    engines.publish(None, max(st["version"] for st in status) + 10 ** 6)
+    engines.publish(initial_weights, 0)
+    engines.weights = (None, 0)  # as `start` leaves it: the weights the engines loaded
+    engines.stats()
+    return engines
+
+
+@pytest.fixture
+def engines_of(engine_sets):
+    """Engines for a config: those of the module's set for its `engine_key` (started the first time, and
+    again after a test killed one for good), as if just started (`as_if_started`). `unused`: engines no
+    test had before (their cumulative counters count this test's tokens alone)."""
+    sets, weights, used = engine_sets
+
+    def start(cfg, model_dir, unused=False):
+        key = engine_key(cfg, model_dir)
+        if model_dir not in weights:
+            from april_ray.model import load_policy
+
+            weights[model_dir] = ray.put(load_policy(model_dir)[0].state_dict())
+        shared = key in sets and not (unused and key in used)
+        engines = as_if_started(sets[key], weights[model_dir]) if shared else None
+        if engines is None:
+            if key in sets:
+                sets.pop(key).shutdown()
+            sets[key] = start_engines(cfg, model_dir, timeout_s=60)
+            engines = as_if_started(sets[key], weights[model_dir])
+        used.add(key)
+        return engines
+
+    return start
+
+
+class SharedSources:
+    """Stands in for `PromptSourceActor` in `RolloutGroup.start`: one source per dataset (by its contents) and
+    arguments, set back to its first prompt through its own `load_state_dict` when handed out again (its
+    cursor is all of its state: april_ray/rollout/prompt_source.py), and started anew after a test killed it.
+    A source reads its dataset and loads the tokenizer once, in a process of its own: most of a rollout's start."""
+
+    def __init__(self):
+        self.started = {}
+
+    def remote(self, data_path, *args):
+        key = (hashlib.sha256(Path(data_path).read_bytes()).hexdigest(), repr(args))
+        if key in self.started:
+            source, first = self.started[key]
+            try:
+                ray.get(source.load_state_dict.remote(first))
+                return source
+            except ray.exceptions.RayActorError:
+                pass
+        source = PromptSourceActor.remote(data_path, *args)
+        self.started[key] = (source, ray.get(source.state_dict.remote()))
+        return source
+
+
+@pytest.fixture(scope="module")
+def shared_sources(local_ray):
+    return SharedSources()
+
+
+@pytest.fixture
+def rollout_of(shared_sources, monkeypatch):
+    """`start_rollout` with the module's prompt sources (`SharedSources`); a test's monitor and store are its
+    own, and are stopped after it (so none goes on taking prompts from a shared source)."""
+    started = []
+
+    def start(cfg, model_dir, engines):
+        with monkeypatch.context() as m:
+            m.setattr(driver.rollout, "PromptSourceActor", shared_sources)
+            started.append(start_rollout(cfg, model_dir, engines))
+        return started[-1]
+
+    yield start
+    for actors in started:
+        ray.kill(actors.monitor)
+        ray.kill(actors.store)
+
+
 @pytest.mark.parametrize("park", [False, True])
-def test_april_steps_on_two_engine_workers(local_ray, tmp_path, model_dir, engines_of, park):
+def test_april_steps_on_two_engine_workers(local_ray, tmp_path, model_dir, engines_of, rollout_of, park):
     extra = ["engine.park_slots=32", "engine.reuse_stale_kv=true"] if park else []
     # long responses, so groups finish far apart and some are interrupted (see the killed-engine test)
     cfg = small_cfg(tmp_path, "sampling.max_response_len=200", "engine.max_model_len=256", *extra)
-    engines = engines_of(cfg, model_dir)
-    actors, results = run_steps(cfg, model_dir, engines, 8)
+    engines = engines_of(cfg, model_dir, unused=True)  # the engines' token counters are this test's alone
+    # a step interrupts samples, the next resumes them at a newer version: four leave room for that to happen
+    actors, results = run_steps(cfg, model_dir, engines, 4, actors=rollout_of(cfg, model_dir, engines))
     resumed = [s for _, samples in results for s in samples if s.num_resumes]
     assert resumed, "some samples should have been interrupted and resumed"
     assert any(len(set(s.versions)) > 1 for s in resumed)
     assert any(r.metrics["rollout/abort_latency_s"] > 0 for r, _ in results)
-    assert [st.version for st in engines.stats()] == [8, 8]
+    assert [st.version for st in engines.stats()] == [4, 4]
     stats = engines.stats()
     assert all(st.num_generated_tokens > 0 for st in stats)  # both engines served
     # with spare slots, resumed samples went back to their engine and restored their parked caches
     assert (sum(st.num_reused_tokens for st in stats) > 0) == park
 
 
-def test_sync_baseline_on_ray_stores_nothing(local_ray, tmp_path, model_dir, engines_of):
+def test_sync_baseline_on_ray_stores_nothing(local_ray, tmp_path, model_dir, engines_of, rollout_of):
     cfg = small_cfg(tmp_path, "rollout.schedule=sync", "rollout.over_sampling_batch_size=4")
     engines = engines_of(cfg, model_dir)
-    actors, results = run_steps(cfg, model_dir, engines, 2)
+    actors, results = run_steps(cfg, model_dir, engines, 2, actors=rollout_of(cfg, model_dir, engines))
     assert ray.get(actors.store.size.remote()) == 0
     assert all(r.metrics["rollout/off_policy_token_ratio"] == 0 for r, _ in results)
 
@@ -144,7 +259,7 @@ def partial_groups(store) -> list:
     return groups
 
 
-def test_a_killed_engine_loses_no_sample(local_ray, tmp_path, model_dir, engines_of):
+def test_a_killed_engine_loses_no_sample(local_ray, tmp_path, model_dir, engines_of, rollout_of):
     """An engine actor dies between steps, with partial groups of its own parked in the store: the
     monitor's calls to it fail, those samples go to the surviving engine, and nothing is lost."""
     # Long responses: the random model ends a sample early often enough that groups finish far apart, so
@@ -153,7 +268,7 @@ def test_a_killed_engine_loses_no_sample(local_ray, tmp_path, model_dir, engines
     cfg = small_cfg(tmp_path, "engine.park_slots=32", "engine.reuse_stale_kv=true", "sampling.max_response_len=200",
                     "engine.max_model_len=256")
     engines = engines_of(cfg, model_dir)
-    actors, stored = None, []
+    actors, stored = rollout_of(cfg, model_dir, engines), []
     for step in range(6):  # which engine's groups are left partial depends on timing: step until some are
         actors, _ = run_steps(cfg, model_dir, engines, 1, first_step=step, actors=actors)
         stored = partial_groups(actors.store)
@@ -176,15 +291,16 @@ def test_a_killed_engine_loses_no_sample(local_ray, tmp_path, model_dir, engines
 
 
 def test_samples_aborted_by_someone_else_mid_step_are_resumed_in_the_same_step(local_ray, tmp_path, model_dir,
-                                                                                engines_of):
+                                                                                engines_of, rollout_of):
     """Another caller aborts the engines (a token that is not the monitor's) while a step runs: the
     monitor re-dispatches the interrupted samples from its handles of their partial results (a sample
     handle is an element of a call's result list, which the engine actor resolves itself), and the
     step still returns N complete groups with nothing lost or repeated."""
 
-    cfg = small_cfg(tmp_path, "sampling.max_response_len=300", "engine.max_model_len=400")
+    # long responses, so a step runs long enough for aborts to hit it (the engines of the april-steps test)
+    cfg = small_cfg(tmp_path, "sampling.max_response_len=200", "engine.max_model_len=256")
     engines = engines_of(cfg, model_dir)
-    actors, _ = run_steps(cfg, model_dir, engines, 1)
+    actors, _ = run_steps(cfg, model_dir, engines, 1, actors=rollout_of(cfg, model_dir, engines))
     ref = actors.monitor.step.remote(1, 1)
     aborted, hits, i = 0, 0, 0
     while hits < 20 and not ray.wait([ref], timeout=0.005)[0]:  # bounded: each abort costs the step progress,
@@ -203,7 +319,7 @@ def test_samples_aborted_by_someone_else_mid_step_are_resumed_in_the_same_step(l
 
 
 def test_an_engine_sigkilled_mid_step_is_restarted_caught_up_and_the_run_goes_on(local_ray, tmp_path, model_dir,
-                                                                                   engines_of):
+                                                                                   engines_of, rollout_of):
     """The training loop's rollout (`RolloutGroup.step`) while an engine process is SIGKILLed in the
     middle of a step: the monitor re-dispatches its samples, Ray restarts it in its bundle under the same
     handle, it refuses work until it holds the current weights, the driver catches it up and hands it back,
@@ -215,7 +331,7 @@ def test_an_engine_sigkilled_mid_step_is_restarted_caught_up_and_the_run_goes_on
 
     cfg = small_cfg(tmp_path, "sampling.max_response_len=200", "engine.max_model_len=256")
     engines = engines_of(cfg, model_dir)
-    actors = start_rollout(cfg, model_dir, engines)
+    actors = rollout_of(cfg, model_dir, engines)
     weights = ray.put(None)  # a version bump only: which version the restarted engine serves is what counts
     victim = 1
     before = ray.get(engines.actors[victim].status.remote())
@@ -258,7 +374,7 @@ def test_an_engine_sigkilled_mid_step_is_restarted_caught_up_and_the_run_goes_on
 
 
 def test_a_restarted_engine_is_caught_up_from_the_weights_source_when_weights_went_another_way(
-        local_ray, tmp_path, model_dir, engines_of):
+        local_ray, tmp_path, model_dir, engines_of, rollout_of):
     """Under engine.weight_sync broadcast / tensor / disk the servers get the weights directly and the
     publish carries only the version; an engine restarted after that is brought to the current weights
     through the object store, from the learners' `weights_ref`, once for however many restart."""
@@ -284,7 +400,8 @@ def test_a_restarted_engine_is_caught_up_from_the_weights_source_when_weights_we
     after = ray.get(engines.actors[1].status.remote())
     assert after["pid"] != victim["pid"] and after["serving"] and after["version"] == 3
     assert calls == [1] and engines.restarts == 1
-    actors, results = run_steps(cfg, model_dir, engines, 1, first_step=3)  # it serves again
+    actors, results = run_steps(cfg, model_dir, engines, 1, first_step=3,  # it serves again
+                                actors=rollout_of(cfg, model_dir, engines))
     assert results and len(results[0][0].groups) == cfg.rollout.rollout_batch_size
 
 
