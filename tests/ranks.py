@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 
 import torch.multiprocessing as mp
 from multiprocessing.connection import wait
@@ -101,8 +102,6 @@ def _worker(conn) -> None:
     """Runs `(target, rank, world, port, args, env, cwd, path)` jobs until the pool closes its end."""
     import gc
 
-    import deepspeed  # noqa: F401 (every target's import, paid here: ahead of the first call)
-
     fresh = _Fresh()
     while True:
         try:
@@ -132,7 +131,7 @@ class _Pool:
         self.workers = []  # (process, connection)
 
     def start(self, n: int) -> None:
-        """At least `n` workers, started (they import in the background until their first job)."""
+        """At least `n` live workers."""
         ctx = mp.get_context("spawn")
         self.workers = [(p, c) for p, c in self.workers if p.is_alive()]
         while len(self.workers) < n:
@@ -184,12 +183,16 @@ class _Pool:
                         outs[rank] = pickle.loads(value)
                     if leaks:
                         retired.append((p, conn))
+                        warnings.warn(f"rank {rank}'s worker retired, its state not a fresh process's: {leaks}")
         if failures:  # the other ranks may be blocked in a collective: none of these processes is reused
             self.close()
             raise AssertionError("a rank failed or hung: " + "\n".join(failures))
         for p, conn in retired:
-            p.join()
             conn.close()
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
             self.workers.remove((p, conn))
         merged = {}
         for rank in range(world):
@@ -200,11 +203,6 @@ class _Pool:
 _POOL = _Pool()
 atexit.register(_POOL.close, 30.0)  # where the interpreter finalizes (pytest's run here ends in os._exit: the
 # workers then see their pipe close and exit on their own)
-
-
-def start_ahead(world: int = 2) -> None:
-    """Start the pool's workers now, so that their imports overlap whatever runs before the first call."""
-    _POOL.start(world)
 
 
 def run_ranks(target, world: int, *args, timeout_s: float = 240) -> dict:
