@@ -112,7 +112,7 @@ def optimizer_tensors(learner) -> list[torch.Tensor]:
 
 
 def _deepspeed_round_trip(rank, world, port, model_dir, tmp, out):
-    """One DeepSpeed rank (a process of its own: one default process group each): save, move on, load back,
+    """One DeepSpeed rank (in a rank process: one default process group per process): save, move on, load back,
     then pickles in place of its state files."""
     tmp = Path(tmp)
     learner = deepspeed_learner(model_dir, port)

@@ -302,6 +302,6 @@ def _bf16_rank(rank: int, world: int, port: int, model_dir: str, out: dict) -> N
 def test_deepspeed_bfloat16_trains_bf16_weights_from_fp32_masters(random_model_dir):
     from tests.ranks import run_ranks
 
-    out = run_ranks(_bf16_rank, 1, str(random_model_dir))  # a process of its own: one default group each
+    out = run_ranks(_bf16_rank, 1, str(random_model_dir))  # a rank process: one default group per process
     assert out["module_dtypes"] == {"torch.bfloat16"} and out["master_dtypes"] == {"torch.float32"}
     assert out["proximal_dtype"] == "torch.float32" and out["grad_norm"] > 0 and out["masters_moved"]
