@@ -2,7 +2,6 @@
 its own), run to its end, with the listening sockets of its processes recorded while it trains: one run that
 `conftest.py` shares between the tests of its training and the test of its listeners (tests/test_listeners.py)."""
 import ipaddress
-import json
 import shutil
 import signal
 import socket
@@ -71,33 +70,21 @@ def on_lan_hostname(cmd: list[str], tmp_path: Path) -> tuple[list[str], str | No
     return [*wrap, *cmd], address
 
 
-def trained_steps(metrics: Path) -> int:
-    if not metrics.is_file():
-        return 0
-    rows = []
-    for line in metrics.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            pass
-    return sum("train/version" in r for r in rows)
-
-
 @dataclass
 class Run:
     returncode: int
     stdout: str
     stderr: str
     listeners: list[tuple[str, str, int]]
-    """Every listening socket of the job's processes, sampled every half second from its first trained step
-    (learners set up, weights published) to its end: a short job's last step, evaluation and shutdown can
-    take less than one look."""
+    """Every listening socket of the job's processes, sampled every half second from its start to its end."""
     hostname_address: str | None = None
     """What the job's hostname resolved to, when it ran on a LAN hostname (`on_lan_hostname`)."""
 
 
 def run_job(cmd: list[str], out: Path, env: dict, timeout_s: float = 900, hostname_address: str | None = None) -> Run:
-    """`cmd` (a training job writing to `out`, of three steps or more) to its end."""
+    """`cmd` (a training job writing to `out`) to its end, the listening sockets of its processes sampled
+    from its start: its steps can all pass in a second or two, so sampling only once training began could
+    see none before the job ended."""
     stdout, stderr = out.parent / "job.stdout", out.parent / "job.stderr"
     with open(stdout, "w") as o, open(stderr, "w") as e:
         job = subprocess.Popen(cmd, cwd=ROOT, stdout=o, stderr=e, env=env)
@@ -106,11 +93,10 @@ def run_job(cmd: list[str], out: Path, env: dict, timeout_s: float = 900, hostna
         deadline = time.time() + timeout_s
         while job.poll() is None:
             assert time.time() < deadline, f"the job did not end within {timeout_s} s"
-            if trained_steps(out / "metrics.jsonl") >= 1:
-                try:
-                    found |= set(listeners(psutil.Process(job.pid)))
-                except psutil.Error:  # it ended meanwhile
-                    pass
+            try:
+                found |= set(listeners(psutil.Process(job.pid)))
+            except psutil.Error:  # it ended meanwhile
+                pass
             time.sleep(0.5)
     finally:
         if job.poll() is None:
