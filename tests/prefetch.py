@@ -15,7 +15,7 @@ import pytest
 JOBS: dict[str, Callable] = {}
 """Every shared job by its fixture's name: `job(tmp_path_factory, model_dir)` -> what its tests read."""
 
-WORKERS = 3
+WORKERS = 2
 """Jobs run at once in the background (each also starts a local Ray of its own)."""
 
 
