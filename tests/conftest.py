@@ -16,6 +16,7 @@ subprocess passes this (`user_env`), not the test process's, which importing `jo
 os.environ.setdefault("WANDB_MODE", "offline")
 # Ray started inside the test process is set up as a job sets it up (jobs/env.py), before a test imports Ray
 import jobs  # noqa: E402,F401
+from tests.local_job import Run  # noqa: E402
 from tests.prefetch import shared_job  # noqa: E402
 
 
@@ -85,18 +86,30 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-@shared_job
+@shared_job(runs=2)
 def two_rank_run(tmp_path_factory, model_dir):
-    """tiny_cpu.yaml with two DeepSpeed ZeRO-2 learner ranks over gloo, three steps, run once: test_train_job
-    checks its training, test_listeners the sockets its processes listened on (rank 0 hosts the rendezvous
-    store), with the hostname resolving to the machine's LAN address where that can be arranged."""
+    """tiny_cpu.yaml with two DeepSpeed ZeRO-2 learner ranks over gloo, three steps, then resumed to six in
+    the same output directory: test_train_job checks its training and the resume (`resumed_run`),
+    test_listeners the sockets the first job's processes listened on (rank 0 hosts the rendezvous store),
+    with the hostname resolving to the machine's LAN address where that can be arranged."""
     from tests.local_job import SMALL, on_lan_hostname, run_job, train_command
 
     tmp = tmp_path_factory.mktemp("two-rank-job")
-    cmd, address = on_lan_hostname(train_command(
+    out = tmp / "out"
+    first, address = on_lan_hostname(train_command(
         "configs/tiny_cpu.yaml", model_dir, tmp, *SMALL, "train.eval_every=2", "train.save_every=2",
         "train.num_steps=3", "learner.num_ranks=2", "learner.zero_stage=2"), tmp)
-    return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""}, hostname_address=address)
+    run = run_job(first, out, {**USER_ENV, "RAY_ADDRESS": ""}, hostname_address=address)
+    if run.returncode != 0:
+        return tmp, run, ResumedRun(out, run, None, None)
+    latest = (out / "latest").read_text().strip()
+    policy = tmp / "first-policy.safetensors"
+    shutil.copyfile(out / latest / "policy" / "model.safetensors", policy)
+    resumed = ResumedRun(out, run, None, json.loads((tmp / "summary.json").read_text()), latest,
+                         (out / "metrics.jsonl").read_text(), policy, list(out.glob("wandb/offline-run-*")))
+    resumed.second = subprocess.run([*first, "train.num_steps=6", "train.resume=true"], cwd=ROOT,
+                                    env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=600)
+    return tmp, run, resumed
 
 
 @shared_job
@@ -150,7 +163,8 @@ def watched_job(tmp_path_factory, model_dir):
 class ResumedRun:
     out: Path
     """train.output_dir, after both jobs."""
-    first: subprocess.CompletedProcess
+    first: Run
+    """The first job (tests/local_job.py's `Run`: its return code, output and listeners)."""
     second: subprocess.CompletedProcess | None
     """The resume; None when the first job failed."""
     summary: dict | None
@@ -162,30 +176,10 @@ class ResumedRun:
     wandb_runs: list = field(default_factory=list)
 
 
-@shared_job(runs=2)
-def resumed_run(tmp_path_factory, model_dir) -> ResumedRun:
-    """tiny_cpu.yaml for three steps, then resumed to six in the same output directory (test_train_job)."""
-    from tests.local_job import SMALL, train_command
-
-    tmp = tmp_path_factory.mktemp("resumed-job")
-    out = tmp / "out"
-
-    def train(*overrides):
-        cmd = train_command("configs/tiny_cpu.yaml", model_dir, tmp, *SMALL, "train.eval_every=2",
-                            "train.save_every=2", "logging.dashboard=false", *overrides)
-        return subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
-                              timeout=600)
-
-    first = train("train.num_steps=3")
-    if first.returncode != 0:
-        return ResumedRun(out, first, None, None)
-    latest = (out / "latest").read_text().strip()
-    policy = tmp / "first-policy.safetensors"
-    shutil.copyfile(out / latest / "policy" / "model.safetensors", policy)
-    run = ResumedRun(out, first, None, json.loads((tmp / "summary.json").read_text()), latest,
-                     (out / "metrics.jsonl").read_text(), policy, list(out.glob("wandb/offline-run-*")))
-    run.second = train("train.num_steps=6", "train.resume=true")
-    return run
+@pytest.fixture(scope="session")
+def resumed_run(two_rank_run) -> ResumedRun:
+    """The two-rank job of three steps, then its resume to six (`two_rank_run`)."""
+    return two_rank_run[2]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -26,7 +26,7 @@ def test_no_listener_of_a_local_job_is_on_all_interfaces(request, run):
     where the hostname resolves to the machine's LAN address, as on many cloud VMs, which is where gloo's
     sockets followed the hostname off loopback; a machine with no LAN address, or no `unshare -m`, runs
     them on its own /etc/hosts."""
-    _, job = request.getfixturevalue(run)
+    job = request.getfixturevalue(run)[1]
     assert job.listeners, f"the job ended before its listeners were seen (rc {job.returncode}):\n{job.stderr[-3000:]}"
     names = {name for name, _, _ in job.listeners}
     assert {"gcs_server", "raylet", "ray::DashboardAgent"} <= names and any("Learner" in n for n in names), names

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_train_steps_change_weights_advance_versions_and_resume(resumed_run, random_model_dir):
-    """Three steps, then a resume to six in the same output directory (conftest.py's `resumed_run`)."""
+    """Three steps, then a resume to six in the same output directory (conftest.py's `resumed_run`: the
+    two-rank job's)."""
     first, second = resumed_run.first, resumed_run.second
     assert first.returncode == 0, first.stderr[-4000:]
     summary = resumed_run.summary
@@ -55,11 +56,11 @@ def test_bad_config_fails_at_start_naming_the_key(tmp_path):
 
 
 def test_two_data_parallel_learner_ranks_with_deepspeed_gloo(two_rank_run):
-    """The run tests/test_listeners.py watches too (conftest.py)."""
-    tmp_path, run = two_rank_run
+    """The run tests/test_listeners.py watches too, before its resume (conftest.py)."""
+    _, run, resumed = two_rank_run
     assert run.returncode == 0, run.stderr[-4000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = resumed.summary  # the summary and metrics it left, before the resume went on in its directory
     assert summary["final_version"] == 3
-    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in resumed.metrics.splitlines()]
     # each rank trained on its own share of the groups (8 samples): num_samples is the ranks' sum
     assert all(r["train/num_samples"] == 16 for r in rows if "train/num_samples" in r)
