@@ -63,7 +63,7 @@ def run_steps(cfg, model_dir, engines, num_steps, first_step=0, actors=None):
     return actors, results
 
 
-ENGINE_SETS = 3
+ENGINE_SETS = 4
 """The engine configurations (`engine_key`) of the tests here: each set of engines holds a placement group of
 `plan`'s bundles (two engines and a learner's, a CPU each) for the whole module."""
 
@@ -297,8 +297,7 @@ def test_samples_aborted_by_someone_else_mid_step_are_resumed_in_the_same_step(l
     handle is an element of a call's result list, which the engine actor resolves itself), and the
     step still returns N complete groups with nothing lost or repeated."""
 
-    # long responses, so a step runs long enough for aborts to hit it (the engines of the april-steps test)
-    cfg = small_cfg(tmp_path, "sampling.max_response_len=200", "engine.max_model_len=256")
+    cfg = small_cfg(tmp_path, "sampling.max_response_len=300", "engine.max_model_len=400")
     engines = engines_of(cfg, model_dir)
     actors, _ = run_steps(cfg, model_dir, engines, 1, actors=rollout_of(cfg, model_dir, engines))
     ref = actors.monitor.step.remote(1, 1)
