@@ -9,6 +9,7 @@ reasoning traces are. The reward is 1 when the response is exactly the right cou
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -53,12 +54,13 @@ def max_response_tokens(cfg: LengthConfig) -> int:
 
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
+    """Written to a temporary file of this call's own, then moved into place: jobs that start at once with
+    one cache directory each write the whole file, and a reader never sees half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    tmp.replace(path)
+    Path(f.name).replace(path)
 
 
 def countdown_reward(prompt: str, response: str) -> float:
