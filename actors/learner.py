@@ -12,7 +12,6 @@ import ray
 
 from actors.refs import fetch
 from april_ray.config import AlgorithmConfig, EngineConfig, LearnerConfig, StalenessConfig
-from april_ray.learn.learner import Learner
 from april_ray.types import Delivery
 from april_ray.weights import build_sender
 
@@ -30,6 +29,8 @@ class LearnerActor:
               max_response_len: int, staleness: StalenessConfig, model_path: str, rank: int, world_size: int,
               master: tuple[str, int], engine_cfg: EngineConfig, weights_dir: str, seed: int = 0) -> None:
         """`weights_dir`: where the disk channel writes the weights every server loads."""
+        from april_ray.learn.learner import Learner  # torch, imported by the ranks and not by the driver
+
         os.environ["MASTER_ADDR"] = "127.0.0.1" if world_size == 1 else master[0]
         self.learner = Learner(model_path, learner_cfg, algo_cfg, temperature, max_response_len, staleness=staleness,
                                rank=rank, world_size=world_size, master_port=master[1], seed=seed)

@@ -291,6 +291,11 @@ class StalenessConfig:
         """Whether the learner trains a token sampled `age` versions ago (`keep` trains every token)."""
         return self.policy == "keep" or age <= self.max_versions
 
+    def oldest_trained(self, hist: dict[int, int]) -> int:
+        """Age in versions of the oldest token the learner trains, from a batch's tokens by age
+        (`rollout/staleness_hist`)."""
+        return max((age for age, n in hist.items() if n and self.trains(age)), default=0)
+
 
 @dataclass
 class AlgorithmConfig:

@@ -3,7 +3,9 @@
 It is saved as a standard Hugging Face directory (config.json, model.safetensors, tokenizer files) and
 loaded by `load_policy`, the same `from_pretrained` path that loads Qwen3-4B on a GPU node. Nothing is
 ever downloaded. The directory name hashes every setting that shapes the weights, so a second run with
-the same config reuses it and a changed config builds a new one.
+the same config reuses it and a changed config builds a new one. torch and transformers are imported
+by the functions that build or load a model, so that checking a model directory (where a job starts)
+stops a bad one before they load.
 """
 from __future__ import annotations
 
@@ -17,9 +19,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
 from april_ray.batching import padded_chunks
 from april_ray.config import Config, ModelConfig
 from april_ray.task import lookup_countdown
@@ -28,6 +27,9 @@ from april_ray.task.tokenizer import CHAT_TEMPLATE, build_tokenizer
 
 
 def build_random_model(cfg: ModelConfig, vocab_size: int, pad_id: int, eos_id: int, seed: int = 0):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
@@ -122,8 +124,12 @@ def ensure_model(cfg: Config, log=print) -> Path:
     return out
 
 
-def load_policy(path: str | Path, dtype=torch.float32):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+def load_policy(path: str | Path, dtype=None):
+    """The model (float32 unless `dtype` says otherwise) in eval mode, and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model.eval(), tokenizer
 
@@ -142,6 +148,8 @@ def _sequence(tokenizer, ex, task_name: str) -> tuple[list[int], list[int]]:
 
 
 def _collate(seqs, idx, pad_id):
+    import torch
+
     width = max(len(seqs[i][0]) for i in idx)
     ids = torch.full((len(idx), width), pad_id)
     labels = torch.full((len(idx), width), -100)
@@ -154,6 +162,8 @@ def _collate(seqs, idx, pad_id):
 
 def warmup(model, tokenizer, examples, cfg: Config, log=print) -> None:
     """Supervised fine-tuning on prompt+answer (loss on the answer), cosine schedule, deterministic per seed."""
+    import torch
+
     w = cfg.warmup
     torch.manual_seed(w.seed)
     torch.set_num_threads(w.num_threads)

@@ -8,8 +8,6 @@ one response per prompt; each of eval.datasets gives eval/<name>/pass@k and the 
 from eval.n_samples_per_prompt responses per prompt at eval.temperature and eval.top_p."""
 from __future__ import annotations
 
-from transformers import AutoTokenizer
-
 from april_ray.task.chat import PromptEncoder
 from april_ray.task.data import fit_context, read_examples
 from april_ray.task.evaluate import EvalItem, eval_items, set_metrics
@@ -20,6 +18,8 @@ ATTEMPTS = 5
 
 class Evaluator:
     def __init__(self, cfg, engines, model_path: str, eval_path: str):
+        from transformers import AutoTokenizer  # here: a job whose inputs are wrong stops before torch loads
+
         tok = AutoTokenizer.from_pretrained(model_path)
         self.encode = PromptEncoder(tok, cfg.task, f"the tokenizer of {model_path}")
         self.max_prompt_tokens = cfg.engine.max_model_len - cfg.sampling.max_response_len

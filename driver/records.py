@@ -18,7 +18,6 @@ from collections import Counter
 from pathlib import Path
 
 from april_ray.config import StalenessConfig
-from april_ray.learn.algorithms import trained_staleness_max
 from april_ray.types import StepResult
 
 
@@ -27,8 +26,7 @@ def staleness_metrics(hist: dict[int, int], staleness: StalenessConfig) -> dict[
     the oldest token the learner does not mask (rollout/max_trained_staleness)."""
     total = max(1, sum(hist.values()))
     return {f"rollout/staleness_hist/{age}": n / total for age, n in hist.items()} | {
-        "rollout/max_trained_staleness": trained_staleness_max(hist, max_versions=staleness.max_versions,
-                                                               policy=staleness.policy)}
+        "rollout/max_trained_staleness": staleness.oldest_trained(hist)}
 
 
 class PhaseClock:
@@ -93,8 +91,7 @@ class GroupLog:
             "running": list(batch.running),
             "staleness": {str(age): n for age, n in batch.staleness.items()},
             "max_versions": self.staleness.max_versions, "policy": self.staleness.policy,
-            "max_trained_staleness": trained_staleness_max(batch.staleness, max_versions=self.staleness.max_versions,
-                                                           policy=self.staleness.policy),
+            "max_trained_staleness": self.staleness.oldest_trained(batch.staleness),
             "engine_crashes": batch.metrics.get("rollout/engine_crashes", 0),
             "crash_tokens_lost": batch.metrics.get("rollout/crash_tokens_lost", 0)})
 
@@ -150,8 +147,8 @@ def check_records(out_dir: Path, n_samples: int) -> dict:
         "dropped_reasons": dict(Counter(reason for r in steps for reason in r["dropped"].values())),
         "unknown_groups": len(set(placed) - set(taken)),
         "lost_samples": lost, "duplicated_samples": duplicated,
-        "max_trained_staleness": max((trained_staleness_max({int(a): c for a, c in r["staleness"].items()},
-                                                            max_versions=r["max_versions"], policy=r["policy"])
+        "max_trained_staleness": max((StalenessConfig(max_versions=r["max_versions"], policy=r["policy"])
+                                      .oldest_trained({int(a): c for a, c in r["staleness"].items()})
                                       for r in steps), default=0),
         "engine_crashes_seen": sum(r["engine_crashes"] for r in steps),
         "crash_tokens_lost": sum(r["crash_tokens_lost"] for r in steps),

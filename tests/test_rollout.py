@@ -424,7 +424,7 @@ def test_mask_bounds_every_trained_token_also_finished_members_and_surplus():
     """Under staleness.policy=mask the learner's mask (collate + off_policy_weights at the version the
     batch is trained at) drops exactly the tokens older than the bound: also those of finished samples
     that waited in the store for their group's siblings, which no store policy restarts."""
-    from april_ray.learn.algorithms import off_policy_weights, trained_staleness_max
+    from april_ray.learn.algorithms import off_policy_weights
     from april_ray.learn.learner import collate
 
     bound = 1
@@ -441,7 +441,7 @@ def test_mask_bounds_every_trained_token_also_finished_members_and_surplus():
         assert not (keep * (age > bound)).any()  # nothing older than the bound is trained
         assert (keep == batch["mask"] * (age <= bound)).all()  # and everything within it is
         masked += int((batch["mask"] - keep).sum())
-        assert trained_staleness_max(r.staleness, max_versions=bound, policy="mask") <= bound
+        assert StalenessConfig(max_versions=bound, policy="mask").oldest_trained(r.staleness) <= bound
         stale_finished += sum(1 for s in samples if s.versions and r.step - s.versions[0] > bound)
     assert masked > 0 and stale_finished > 0, "the run should have trained some stale tokens to mask"
 
@@ -449,11 +449,11 @@ def test_mask_bounds_every_trained_token_also_finished_members_and_surplus():
 def test_trained_staleness_max_and_the_mask_per_policy_by_hand():
     import torch
 
-    from april_ray.learn.algorithms import off_policy_weights, trained_staleness_max
+    from april_ray.learn.algorithms import off_policy_weights
 
     hist = {0: 10, 2: 5, 4: 3, 7: 1, 9: 0}
     def trained_max(h, bound, policy="mask"):
-        return trained_staleness_max(h, max_versions=bound, policy=policy)
+        return StalenessConfig(max_versions=bound, policy=policy).oldest_trained(h)
 
     assert trained_max(hist, 0, "keep") == 7  # keep: every token is trained (9 has none)
     assert trained_max(hist, 4) == 4 and trained_max(hist, 3) == 2 and trained_max(hist, 3, "restart") == 2

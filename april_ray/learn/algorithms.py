@@ -64,12 +64,6 @@ def off_policy_weights(old_logp, behaviour_logp, versions, version, mask, *, tis
     return weights.detach(), keep, metrics
 
 
-def trained_staleness_max(hist: dict[int, int], *, max_versions: int, policy: str) -> int:
-    """Age in versions of the oldest token that `off_policy_weights` keeps in the loss, from a batch's
-    tokens by age (`rollout/staleness_hist`)."""
-    return max((age for age, n in hist.items() if n and (policy == "keep" or age <= max_versions)), default=0)
-
-
 def _clip_metrics(ratio, adv, mask, low, high) -> dict[str, float]:
     clipped = ((ratio < 1 - low) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
     return {"loss/clip_fraction": float(masked_mean(clipped.float(), mask)),

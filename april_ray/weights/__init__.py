@@ -12,11 +12,12 @@ servers that loaded the weights, or the object-store handle. Adopting them is th
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from april_ray.types import Delivery
+
+if TYPE_CHECKING:
+    import torch
 
 
 class WeightSender(Protocol):
