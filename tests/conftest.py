@@ -98,7 +98,8 @@ def two_rank_run(tmp_path_factory, model_dir):
     out = tmp / "out"
     first, address = on_lan_hostname(train_command(
         "configs/tiny_cpu.yaml", model_dir, tmp, *SMALL, "train.eval_every=2", "train.save_every=2",
-        "train.num_steps=3", "learner.num_ranks=2", "learner.zero_stage=2"), tmp)
+        "train.num_steps=3", "learner.num_ranks=2", "learner.zero_stage=2",
+        "logging.wandb_mode=offline"), tmp)
     run = run_job(first, out, {**USER_ENV, "RAY_ADDRESS": ""}, hostname_address=address)
     if run.returncode != 0:
         return tmp, run, ResumedRun(out, run, None, None)

@@ -17,11 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
          "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24", "engine.max_model_len=64",
          # a random policy never solves countdown; overlong shaping gives its rewards variance to learn from
-         "algorithm.overlong_buffer=8", "learner.lr=1e-3", "logging.wandb_mode=offline",
+         "algorithm.overlong_buffer=8", "learner.lr=1e-3", "logging.wandb_mode=disabled",
          "engine.num_engines=1"]
 """A few short steps of the random tiny model (tests/conftest.py's `random_model_dir`), on one engine: each
 engine process costs the suite its imports and model load, so a job whose checks are not about several
-engines starts one (the HTTP jobs, whose broadcast group spans the engines, ask for two)."""
+engines starts one (the HTTP jobs, whose broadcast group spans the engines, ask for two); and no wandb run,
+but in the job whose tests read one."""
 
 
 def listeners(root: psutil.Process) -> list[tuple[str, str, int]]:

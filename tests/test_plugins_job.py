@@ -47,7 +47,7 @@ def run_with_plugin(tmp_path, model_dir, user_env, module: str, source: str, *ov
            "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8", "rollout.n_samples_per_prompt=4",
            "sampling.max_response_len=24", "engine.max_model_len=64", "train.eval_every=10", "train.save_every=10",
            "train.eval_greedy=false", "learner.backend=torch", "logging.dashboard=false",
-           "--summary", f"{tmp_path}/summary.json"]
+           "logging.wandb_mode=disabled", "--summary", f"{tmp_path}/summary.json"]
     env = {**user_env, "PYTHONPATH": str(plug), "WANDB_MODE": "offline"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == expect_rc, proc.stderr[-4000:]
