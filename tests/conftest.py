@@ -144,7 +144,9 @@ def overlap_run(tmp_path_factory, model_dir):
 @shared_job(runs=2)
 def watched_job(tmp_path_factory, model_dir):
     """tiny_cpu.yaml on the random tiny model, four steps submitted to a `ray start --head` that exports its
-    metrics every second, each step paused past two export intervals by a slow reward (no over-sampling, so
+    metrics every two seconds (RAY_metrics_report_interval_ms=2000: a read a second sees each export twice,
+    and a loaded machine's late refresh of a held value still lands within Ray's two intervals), each step
+    paused past two export intervals by a slow reward (no over-sampling, so
     that no step is served from groups an earlier one finished), watched by its metrics endpoint and
     (installed) Prometheus, run once: test_job_submit, test_prometheus and test_plot look at it
     (tests/head_job.py)."""
@@ -157,7 +159,7 @@ def watched_job(tmp_path_factory, model_dir):
         "rollout.rollout_batch_size=4 rollout.over_sampling_batch_size=4 rollout.n_samples_per_prompt=4",
         "sampling.max_response_len=64 learner.backend=torch logging.wandb_mode=disabled logging.tensorboard=true",
         "engine.num_engines=1",
-        "task.reward_fn=tests.slow_reward:countdown_after_a_pause"])
+        "task.reward_fn=tests.slow_reward:countdown_after_a_pause"], export_interval_ms=2000)
 
 
 @dataclass

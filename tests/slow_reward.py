@@ -5,7 +5,7 @@ import asyncio
 
 from april_ray.task.rewards import countdown_task_reward
 
-PAUSE_S = 2.5
+PAUSE_S = 4.5
 
 
 async def countdown_after_a_pause(prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
