@@ -25,15 +25,10 @@ class RolloutGroup:
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, train_path: str, engines: EngineGroup) -> "RolloutGroup":
-        source = PromptSourceActor.remote(train_path, cfg.task, str(model_path), cfg.rollout.n_samples_per_prompt,
-                                          cfg.sampling.max_response_len,
-                                          run_seeded(cfg.task.seed, cfg.train.seed),  # the prompt order
-                                          cfg.engine.max_model_len - cfg.sampling.max_response_len)
+        source = start_source(cfg, model_path, train_path)
         ray.get(source.num_groups_taken.remote())  # a bad dataset row stops the job here, named by file and line
         store = StoreActor.remote(cfg.staleness)
-        monitor = CompletionMonitorActor.remote(cfg.rollout, cfg.staleness, engines.actors, engines.capacities, source,
-                                                 store, reward_per_group=cfg.task.reward_per_group)
-        return cls(source, store, monitor, engines)
+        return cls(source, store, start_monitor(cfg, engines, source, store), engines)
 
     def step(self, step: int, version: int, keep_running: bool = False):
         """One rollout step, started and waited for: a `StepResult` of sample refs."""
@@ -75,6 +70,20 @@ class RolloutGroup:
     def shutdown(self) -> None:
         for actor in (self.source, self.store, self.monitor):
             ray.kill(actor)
+
+
+def start_source(cfg: Config, model_path: str, train_path: str):
+    """The prompt source of `cfg`'s rollout: the dataset in the run's seeded order, each prompt fitted to
+    the context the responses leave."""
+    return PromptSourceActor.remote(train_path, cfg.task, str(model_path), cfg.rollout.n_samples_per_prompt,
+                                    cfg.sampling.max_response_len, run_seeded(cfg.task.seed, cfg.train.seed),
+                                    cfg.engine.max_model_len - cfg.sampling.max_response_len)
+
+
+def start_monitor(cfg: Config, engines: EngineGroup, source, store):
+    """The completion monitor of `cfg`'s rollout over `engines`, drawing from `source` and `store`."""
+    return CompletionMonitorActor.remote(cfg.rollout, cfg.staleness, engines.actors, engines.capacities, source,
+                                         store, reward_per_group=cfg.task.reward_per_group)
 
 
 def overlaps(train: TrainConfig, step: int) -> bool:

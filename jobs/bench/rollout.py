@@ -27,16 +27,15 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from actors.monitor import CompletionMonitorActor
-from actors.prompt_source import PromptSourceActor
 from actors.store import StoreActor
 from jobs.bench.steplog import StepLog, public
 from driver.cluster import init_ray
 from jobs.common import parse, write_result
-from april_ray.config import Config, over_sampling_batch_size, run_seeded, with_rollout
+from april_ray.config import Config, over_sampling_batch_size, with_rollout
 from april_ray.model import load_policy
 from april_ray.task.data import read_examples
 from driver.engines import EngineGroup
+from driver.rollout import start_monitor, start_source
 from driver.setup import JobInputs, prepare
 
 def saturated_tok_s(engines: EngineGroup, prompts: list[list[int]], seconds: float) -> tuple[float, float]:
@@ -64,13 +63,10 @@ class Shared:
     ~3 CPU-seconds to start, its tokenizer's imports; one per mode and sweep point was a third of a run's
     CPU). And the stores, each emptied before the next mode takes it up. Both are built as
     `RolloutGroup.start` builds them (driver/rollout.py), from no key of the rollout section: the only
-    one the modes' configs differ in."""
+    one the modes' configs differ in. Each mode's monitor is its own (`start_monitor`)."""
 
     def __init__(self, cfg: Config, job: JobInputs):
-        self.source = PromptSourceActor.remote(job.train_path, cfg.task, str(job.model_path),
-                                               cfg.rollout.n_samples_per_prompt, cfg.sampling.max_response_len,
-                                               run_seeded(cfg.task.seed, cfg.train.seed),
-                                               cfg.engine.max_model_len - cfg.sampling.max_response_len)
+        self.source = start_source(cfg, job.model_path, job.train_path)
         self.fresh_cursor = ray.get(self.source.state_dict.remote())
         self.staleness = cfg.staleness
         self.free_stores: list = []
@@ -95,9 +91,7 @@ class Mode:
     def __init__(self, name: str, cfg: Config, shared: Shared, engines: EngineGroup, kv_reuse: bool = True):
         self.name, self.cfg, self.engines, self.kv_reuse, self.shared = name, cfg, engines, kv_reuse, shared
         self.cursor, self.store = shared.fresh_cursor, shared.store()
-        self.monitor = CompletionMonitorActor.remote(cfg.rollout, cfg.staleness, engines.actors, engines.capacities,
-                                                     shared.source, self.store,
-                                                     reward_per_group=cfg.task.reward_per_group)
+        self.monitor = start_monitor(cfg, engines, shared.source, self.store)
         self.log = StepLog(cfg.rollout.n_samples_per_prompt)
 
     def step(self, step: int, version: int, measured: bool) -> None:
