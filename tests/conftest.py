@@ -122,7 +122,8 @@ def http_run(tmp_path_factory, model_dir):
 
     tmp = tmp_path_factory.mktemp("http-job")
     cmd, address = on_lan_hostname(train_command("configs/tiny_cpu_http.yaml", model_dir, tmp, *SMALL,
-                                                 "engine.num_engines=2", "train.num_steps=3", "train.eval_every=2", "train.save_every=3"), tmp)
+                                                 "engine.num_engines=2", "train.num_steps=3", "train.eval_every=2", "train.save_every=3",
+                                                 "learner.backend=torch"), tmp)
     return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""}, hostname_address=address)
 
 
@@ -137,7 +138,7 @@ def overlap_run(tmp_path_factory, model_dir):
     # (at SMALL's 24 tokens nearly every sample runs to the cap, and all groups can finish in one engine step)
     cmd = train_command("configs/tiny_cpu.yaml", model_dir, tmp, *SMALL, "train.overlap=true", "train.num_steps=5",
                         "train.save_every=3", "train.eval_every=2", "logging.dashboard=false",
-                        "sampling.max_response_len=200", "engine.max_model_len=256")
+                        "sampling.max_response_len=200", "engine.max_model_len=256", "learner.backend=torch")
     return tmp, run_job(cmd, tmp / "out", {**USER_ENV, "RAY_ADDRESS": ""})
 
 

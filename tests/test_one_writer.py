@@ -21,7 +21,7 @@ from tests.local_job import ROOT, SMALL, train_command
 from tests.prefetch import shared_job
 
 FAST = [*SMALL, "train.eval_every=1000", "train.eval_greedy=false", "logging.wandb_mode=disabled",
-        "logging.dashboard=false"]
+        "logging.dashboard=false", "learner.backend=torch"]
 
 HOLDER = """
 import sys, time
