@@ -47,10 +47,13 @@ from tests.local_job import listeners, loopback
 init_ray(SimpleNamespace(bundles=[]))
 wide = [f for f in listeners(psutil.Process()) if not loopback(f[1])]
 gcs = ray.get_runtime_context().gcs_address
-env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"} | {"RAY_AUTH_MODE": "disabled"}
+# (a stranger refused tries again for RAY_gcs_server_port_wait_time_s, 20 s by default: 2 is enough to be refused)
+env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"} | {"RAY_AUTH_MODE": "disabled",
+                                                                         "RAY_gcs_server_port_wait_time_s": "2"}
 stranger = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={gcs!r})"], env=env,
                           capture_output=True, text=True, timeout=120)
-print(json.dumps({"wide": len(wide), "mode": os.environ.get("RAY_AUTH_MODE"), "stranger_rc": stranger.returncode}))
+print(json.dumps({"wide": len(wide), "mode": os.environ.get("RAY_AUTH_MODE"), "stranger_rc": stranger.returncode,
+                  "stranger_refused": "InvalidAuthToken" in stranger.stderr}))
 """
 
 
@@ -63,4 +66,4 @@ def test_a_local_cluster_that_cannot_bind_to_loopback_requires_a_token(tmp_path,
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["wide"] > 0, "Ray bound to loopback after all: this test no longer covers the fallback"
-    assert result["mode"] == "token" and result["stranger_rc"] != 0, result
+    assert result["mode"] == "token" and result["stranger_rc"] != 0 and result["stranger_refused"], result
