@@ -2,6 +2,7 @@
 its own), run to its end, with the listening sockets of its processes recorded while it trains: one run that
 `conftest.py` shares between the tests of its training and the test of its listeners (tests/test_listeners.py)."""
 import ipaddress
+import os
 import shutil
 import signal
 import socket
@@ -26,17 +27,53 @@ but in the job whose tests read one."""
 
 
 def listeners(root: psutil.Process) -> list[tuple[str, str, int]]:
-    """(process name, address, port) of every listening TCP socket of `root` and its descendants."""
+    """(process name, address, port) of every listening TCP socket of `root` and its descendants. On Linux
+    from /proc: the listening sockets of the job's network namespace read once, matched to each process's
+    open sockets (psutil reads both tables again for every process, 0.1 CPU-s a call for a job's ~15
+    processes here, a fifth of a core at two calls a second)."""
     out = []
+    inodes = listening_sockets(root.pid) if Path(f"/proc/{root.pid}/net/tcp").is_file() else None
     for p in [root, *root.children(recursive=True)]:
         try:
             title = p.cmdline()[:1]  # a Ray worker: "ray::LearnerActor.train", though its comm may read "python"
             name = title[0] if title and title[0].startswith("ray::") else p.name()
-            conns = p.net_connections(kind="inet")
-        except psutil.Error:
+            if inodes is None:
+                out += [(name, c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
+                        if c.status == psutil.CONN_LISTEN]
+            else:
+                out += [(name, *inodes[inode]) for inode in socket_inodes(p.pid) if inode in inodes]
+        except (psutil.Error, OSError):
             continue
-        out += [(name, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
     return out
+
+
+def listening_sockets(pid: int) -> dict[str, tuple[str, int]]:
+    """Inode -> (address, port) of the TCP sockets in the LISTEN state in `pid`'s network namespace."""
+    found = {}
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for row in list(f)[1:]:
+                fields = row.split()
+                if fields[3] != "0A":  # TCP_LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+                ip = socket.inet_ntop(family, b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                found[fields[9]] = (ip, int(port, 16))
+    return found
+
+
+def socket_inodes(pid: int) -> list[str]:
+    """The inodes of the sockets `pid` holds open."""
+    inodes = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.append(link[8:-1])
+    return inodes
 
 
 def loopback(address: str) -> bool:
