@@ -82,20 +82,22 @@ def test_reuse_takes_runs_by_mode_and_seed_and_refuses_another_config(tmp_path):
         reused_runs(str(earlier), {"train": {"num_steps": 40}, "task": {"num_eval": 2048}})
 
 
-@shared_job(runs=3)
+@shared_job(runs=2)
 def bench_train_run(tmp_path_factory, model_dir):
-    """Four jobs of two steps, each starting its actors."""
+    """Two jobs of two steps (sync and APRIL, one seed), each starting its actors: the report's lists over
+    seeds and their medians are checked by hand above; here the keys of a real run, and its seed numbered
+    from --first-seed."""
     tmp = tmp_path_factory.mktemp("bench-train")
     out = tmp / "bench.json"
-    cmd = [sys.executable, "-m", "jobs.bench.train", "--config", "configs/tiny_cpu.yaml", "--seeds", "2",
-           "--factors", "2", "--gain", "0.0", "--json", str(out), f"model.path={model_dir}",
+    cmd = [sys.executable, "-m", "jobs.bench.train", "--config", "configs/tiny_cpu.yaml", "--seeds", "1",
+           "--first-seed", "1", "--factors", "2", "--gain", "0.0", "--json", str(out), f"model.path={model_dir}",
            f"model.cache_dir={tmp}", f"train.output_dir={tmp}/out", "task.num_train=300",
            "task.num_eval=16", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
            "rollout.n_samples_per_prompt=4", "sampling.max_response_len=24", "engine.max_model_len=64",
            "algorithm.overlong_buffer=8", "train.num_steps=2", "train.eval_every=1", "train.save_every=100",
            "train.eval_greedy=false", "logging.wandb_mode=disabled", "logging.dashboard=false",
            # the report's keys do not depend on the learner's backend or the number of engines: the fewest
-           # processes to start, four times over
+           # processes to start, twice over
            "learner.backend=torch", "engine.num_engines=1"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
                           timeout=1200)
@@ -108,10 +110,10 @@ def test_bench_train_json_keys_on_a_tiny_run(bench_train_run):
     proc, out = bench_train_run
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
-    assert r["seeds"] == [0, 1] and {"target_accuracy", "speedup", "speedup_2"} <= set(r)
+    assert r["seeds"] == [1] and {"target_accuracy", "speedup", "speedup_2"} <= set(r)
     for mode in ("sync", "april", "april_2"):
         m = r[mode]
-        assert len(m["time_to_target_s"]) == 2 and len(m["final_accuracy"]) == 2, mode
+        assert len(m["time_to_target_s"]) == 1 and len(m["final_accuracy"]) == 1, mode
         assert {"time_to_target_median_s", "final_accuracy_median", "accuracy_at_budget", "accuracy_by_step",
                 "off_policy_token_ratio", "staleness_hist", "phase_s_per_step", "rollout_share",
                 "late_accuracy"} <= set(m), mode

@@ -110,7 +110,7 @@ def chaos_run(tmp_path_factory, model_dir, config: str):
            "train.eval_every=4", "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
            "rollout.n_samples_per_prompt=4", "sampling.max_response_len=64", "engine.max_model_len=128",
            "staleness.max_versions=1", "algorithm.overlong_buffer=8",
-           "logging.dashboard=false"]
+           "logging.dashboard=false", "learner.backend=torch"]  # engine kills: the torch learner starts sooner
     proc = subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
                           timeout=900)
     return proc, out
