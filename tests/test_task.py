@@ -6,7 +6,7 @@ import pytest
 from april_ray.config import LengthConfig, TaskConfig
 from april_ray.task.data import dataset_paths, read_examples
 from april_ray.task.rewards import get_reward_fn, math_reward
-from april_ray.task.countdown import TOKENS_PER_TERM, countdown_reward, generate, sample_num_terms
+from april_ray.task.countdown import TOKENS_PER_TERM, countdown_reward, generate, sample_num_terms, write_jsonl
 from april_ray.task.tokenizer import build_tokenizer
 
 
@@ -424,3 +424,16 @@ def test_a_rows_other_fields_become_the_samples_metadata(tmp_path):
     a, b = read_examples(path, "question", "final_answer")
     assert (a.metadata, b.metadata, a.as_given) == ({"difficulty": 2}, {}, "q")
     assert read_examples(path, "question", "final_answer", metadata_keys=[])[0].metadata == {}  # task.metadata_keys
+
+
+def test_a_dataset_written_by_two_jobs_at_once_is_whole_and_leaves_nothing_else(tmp_path):
+    """Jobs that start together with one cache directory write the same dataset file at once: every write
+    succeeds, the file is whole, and no temporary file is left beside it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows = [{"i": i, "text": "x" * 200} for i in range(2000)]
+    path = tmp_path / "data" / "train.jsonl"
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: write_jsonl(rows, path), range(24)))
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows
+    assert [p.name for p in path.parent.iterdir()] == ["train.jsonl"]

@@ -9,6 +9,7 @@ reasoning traces are. The reward is 1 when the response is exactly the right cou
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -57,10 +58,16 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
     """Written to a temporary file of this call's own, then moved into place: jobs that start at once with
     one cache directory each write the whole file, and a reader never sees half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    Path(f.name).replace(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o644)  # mkstemp's file is its owner's alone; a dataset is read by every job
+    try:
+        with os.fdopen(fd, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def countdown_reward(prompt: str, response: str) -> float:
