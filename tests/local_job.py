@@ -32,7 +32,10 @@ def listeners(root: psutil.Process) -> list[tuple[str, str, int]]:
     open sockets (psutil reads both tables again for every process, 0.1 CPU-s a call for a job's ~15
     processes here, a fifth of a core at two calls a second)."""
     out = []
-    inodes = listening_sockets(root.pid) if Path(f"/proc/{root.pid}/net/tcp").is_file() else None
+    try:
+        inodes = listening_sockets(root.pid) if Path(f"/proc/{root.pid}/net/tcp").is_file() else None
+    except OSError:  # the job ended meanwhile
+        return out
     for p in [root, *root.children(recursive=True)]:
         try:
             title = p.cmdline()[:1]  # a Ray worker: "ray::LearnerActor.train", though its comm may read "python"
