@@ -6,11 +6,17 @@ The weights are the Hugging Face module's own parameters, used by reference, so 
 small batch's step). In attention, each sequence sits at its own position and reads its own cache slot;
 the running batch is packed into slots 0..n-1, and decode attends in a few contiguous ranges of it, each
 over its own span (`decode_segments`). Fresh inputs are prefilled in the same pass as the decode step.
+On a GPU, attention runs on PyTorch's flash, memory-efficient or math kernels, never cuDNN's: cuDNN plans
+each new shape, and a decode span grows by a token every step (on an H200 that planning made a step of
+Qwen3-1.7B take 50-90 ms instead of about 13, docs/gpu.md).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def _rms(norm, x: torch.Tensor) -> torch.Tensor:
@@ -89,18 +95,22 @@ def grouping_order(positions: list[int]) -> list[int]:
 
 def _decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, segments, masks) -> torch.Tensor:
     """Attention of one query per row ([b, heads, head_dim]) over the cache rows 0..b-1, range by range,
-    each over its own span (slices of the cache); returns [b, heads x head_dim]."""
-    b, qd = q.shape[0], q[:, :, None, :]
+    each over its own span (slices of the cache); returns [b, heads x head_dim]. The query heads that share
+    a KV head (heads h*g .. h*g+g-1 read KV head h) attend as that head's g queries: no KV head is repeated."""
+    b, kv_heads = q.shape[0], kc.shape[1]
+    qd = q.view(b, kv_heads, q.shape[1] // kv_heads, q.shape[2])
     if len(segments) == 1:
         span = segments[0][2]
-        out = F.scaled_dot_product_attention(qd, kc[:b, :, :span], vc[:b, :, :span], attn_mask=masks[0],
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(qd, kc[:b, :, :span], vc[:b, :, :span], attn_mask=masks[0])
     else:
         out = torch.empty_like(qd)
         for (a, e, span), mask in zip(segments, masks):
-            out[a:e] = F.scaled_dot_product_attention(qd[a:e], kc[a:e, :, :span], vc[a:e, :, :span],
-                                                      attn_mask=mask, enable_gqa=True)
+            out[a:e] = F.scaled_dot_product_attention(qd[a:e], kc[a:e, :, :span], vc[a:e, :, :span], attn_mask=mask)
     return out.reshape(b, -1)
+
+
+GPU_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The attention kernels a GPU runner may use: every one but cuDNN's, which plans each new shape."""
 
 
 class ModelRunner:
@@ -118,6 +128,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         param = next(model.parameters())  # the model's device and dtype are the cache's and the inputs'
         self.dtype, self.device = param.dtype, param.device
+        self.attention_kernels = (lambda: sdpa_kernel(GPU_ATTENTION)) if self.device.type == "cuda" else nullcontext
         self.cache_shape = (len(self.layers), num_slots, self.num_kv_heads, max_model_len, self.head_dim)
         self.allocate_cache()
         theta = cfg.rope_parameters["rope_theta"]
@@ -204,8 +215,9 @@ class ModelRunner:
             return fn
 
         x = self.model.model.embed_tokens(torch.cat(ids).to(dev))
-        for i, layer in enumerate(self.layers):
-            x = self._block(layer, x, attend(i))
+        with self.attention_kernels():
+            for i, layer in enumerate(self.layers):
+                x = self._block(layer, x, attend(i))
         if n:
             x = x[torch.cat([rows, b + torch.arange(n, device=dev) * width + lens - 1])]
         return self._logits(x)
