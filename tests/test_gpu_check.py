@@ -60,6 +60,7 @@ def test_schedules_measured_and_simulated(gpu_check_run):
         assert m["steps"] >= 1 and m["trained_tokens"] > 0, name
         assert m["lost_samples"] == 0 and m["duplicated_samples"] == 0, name
         assert m["utilization"] > 0 and m["gain_over_sync"] > 0
+        assert 0 < m["engine_busy_fraction"] <= 1, name
         assert m["simulated_utilization_fitted"] > 0 and m["simulated_utilization_roofline"] > 0
     assert sched["modes"]["sync"]["gain_over_sync"] == 1.0
     assert sched["step_cost_fit"]["steps"] > 0 and sched["ceiling_tok_s"]["mean"] > 0

@@ -87,7 +87,8 @@ class Mode:
         lost = self.source.num_groups_taken - m.num_returned_groups - m.num_dropped_groups - len(self.store)
         res = self.log.summary(1, lost)
         keep = ("effective_tok_s", "generated_tok_s", "off_policy_token_ratio", "masked_token_ratio", "wall_s",
-                "steps", "trained_tokens", "running_rows_mean", "lost_samples", "duplicated_samples")
+                "steps", "trained_tokens", "running_rows_mean", "lost_samples", "duplicated_samples",
+                "engine_busy_fraction")  # the engine's steps over the mode's wall: the rest is the control plane's
         return {k: res[k] for k in keep} | {"utilization": res["effective_tok_s"] / ceiling,
                                             "over_sampling_batch_size": self.rollout.over_sampling_batch_size}
 
