@@ -74,8 +74,8 @@ class CompletionMonitorActor:
         self.monitor = CompletionMonitor(cfg, pool, RayProxy(source), RayStore(store), staleness)
         self.metrics = MonitorMetrics(cfg, len(engines))
 
-    async def step(self, step: int, version: int, keep_running: bool = False):
-        result = await self.monitor.step(step, version, keep_running)
+    async def step(self, step: int, version: int, keep_running: bool = False, after: int | None = None):
+        result = await self.monitor.step(step, version, keep_running, after)
         self.metrics.record(result.metrics, result.staleness, self.monitor.alive)
         return result
 

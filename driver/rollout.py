@@ -45,13 +45,14 @@ class RolloutGroup:
         two shared cores and masked up to 87% of a batch's tokens as too old: BENCHMARKS.md.)"""
         started = self.ahead.pop(step, None) or self.begin(step, version, overlaps(train, step))
         if overlaps(train, step):
-            self.ahead[step + 1] = self.begin(step + 1, version + 1, overlaps(train, step + 1))
+            self.ahead[step + 1] = self.begin(step + 1, version + 1, overlaps(train, step + 1), after=step)
         return self.result(started)
 
-    def begin(self, step: int, version: int, keep_running: bool = False):
+    def begin(self, step: int, version: int, keep_running: bool = False, after: int | None = None):
         """Start a rollout step whose batch is trained at `version` (the overlapped mode starts the next one
-        while the learner trains); `keep_running` leaves its unfinished groups generating after it returns."""
-        return self.monitor.step.remote(step, version, keep_running), step
+        while the learner trains); `keep_running` leaves its unfinished groups generating after it returns;
+        `after`: the step asked just before, which the monitor runs first whichever call reaches it first."""
+        return self.monitor.step.remote(step, version, keep_running, after), step
 
     def result(self, started, poll_s: float = 1.0):
         """The started step's `StepResult`. Meanwhile the driver waits on the monitor to say an engine was

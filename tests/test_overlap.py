@@ -135,6 +135,38 @@ def test_a_running_rollout_refuses_a_checkpoint_and_a_kept_step_carries_its_grou
     assert source.num_groups_taken == rollout.num_returned_groups + rollout.num_dropped_groups + len(store)
 
 
+def test_a_step_asked_ahead_runs_after_its_predecessor_whichever_call_arrives_first():
+    """An async actor may start two calls in either order (Ray promises no order there): the driver's
+    look-ahead step, if it arrives first, waits for the step it was asked after (`after`), which then keeps its
+    groups running into it. Without `after` the lowest step asked so far runs: the look-ahead step would run
+    first, and the step before it would find nothing to keep running into."""
+    def parts():
+        rollout, _, source, store, _ = make_rollout_parts(cfg(max_response_len=200, policy="mask"), seed=1)
+        order, inner = [], rollout._step
+
+        async def step(n, version, keep_running):
+            order.append(n)
+            return await inner(n, version, keep_running)
+
+        rollout._step = step
+        return rollout, order
+
+    async def look_ahead_first(rollout, after):
+        second = asyncio.ensure_future(rollout.step(1, 1, keep_running=False, after=after))
+        await asyncio.sleep(0)  # the look-ahead call is waiting for its turn before the first one arrives
+        first = asyncio.ensure_future(rollout.step(0, 0, keep_running=True))
+        return await first, await second
+
+    rollout, order = parts()
+    first, second = asyncio.run(look_ahead_first(rollout, after=0))
+    assert order == [0, 1]
+    assert first.running and first.metrics["rollout/groups_partial"] == 0
+    assert set(first.running) & set(second.returned_group_ids)  # the second went on with the first's groups
+    unordered, order = parts()
+    first, _ = asyncio.run(look_ahead_first(unordered, after=None))
+    assert order == [1, 0] and first.running == []
+
+
 def test_a_kept_step_with_no_step_asked_after_it_stops_its_groups():
     """The rollout may not run further ahead than the steps the driver asked for: a step asked to keep its
     groups running, with none asked after it, interrupts and stores them as a synchronous step does."""

@@ -159,18 +159,21 @@ class CompletionMonitor:
             self._liveness.set()
 
     # -- one step ---------------------------------------------------------------------------------------
-    async def step(self, step: int, version: int, keep_running: bool = False) -> StepResult:
+    async def step(self, step: int, version: int, keep_running: bool = False, after: int | None = None) -> StepResult:
         """One step's batch, to be trained at policy `version` (the staleness of its tokens is counted
         against it). `keep_running`: return at the N-th complete group and leave the rest generating into
         the next step, if that one was asked for by then.
-        Steps run one at a time, in the order they were asked for: the overlapped mode asks for the next
-        ones ahead, and each begins the moment the one before it returns."""
+        Steps run one at a time, the lowest asked first: the overlapped mode asks for the next one ahead,
+        and it begins the moment the one before it returns. `after`: a step asked just before this one, which
+        runs first (an async actor may start two calls in either order; without it, a look-ahead step that
+        arrived first would run first)."""
         if self._turns is None or self._turns[0] is not asyncio.get_running_loop():  # tests use several loops
             self._turns = (asyncio.get_running_loop(), asyncio.Condition())
         turns = self._turns[1]
         async with turns:
             self._asked.add(step)
             await turns.wait_for(lambda: not self._stepping and step == min(self._asked)
+                                 and (after is None or self.last_step >= after)
                                  and (self.running is None or step == self.last_step + 1))
             self._stepping = True
         try:
