@@ -47,6 +47,9 @@ def test_engine_curve_mix_and_fit_beside_the_roofline(gpu_check_run):
         [mix] = res["length_mix"]
         assert mix["tok_s"] > 0 and mix["simulated_tok_s_roofline"] > 0 and mix["simulated_tok_s_fitted"] > 0
         assert 0 < mix["running_rows_mean"] <= mix["concurrency"] == 8
+        prof = res["decode_profile"]  # on CPU: the host's side only
+        assert prof["rows"] == 8 and prof["step_s"] > 0 and 0 < prof["host_op_s_per_step"]
+        assert prof["device_s_per_step"] is None and prof["top_host_ops"][0]["calls_per_step"] > 0
         fit, roof = res["step_cost"]["fit"], res["step_cost"]["roofline"]
         assert {"a", "b", "c", "prefill_per_token", "rel_error_median"} <= set(fit) and fit["steps"] > 0
         assert roof["fixed_per_step"] > roof["t0"] > 0
@@ -73,6 +76,7 @@ def test_learner_step_against_the_plan(gpu_check_run):
     assert set(steps) == {"Qwen3-1.7B", "Qwen3-4B_3_layers"}
     for r in steps.values():
         assert r["step_s"] > 0 and r["tokens"] == 256 and r["micro_batches"] == 1
+        assert r["first_step_s"] is None  # a GPU times a full step before the measured one
         assert r["peak_gb"] > 0 and r["plan_gb"] > 0
         assert r["plan_over_peak"] == pytest.approx(r["plan_gb"] / r["peak_gb"])
         assert r["plan"]["tokens_per_micro_batch"] == 256

@@ -134,6 +134,12 @@ def engine_lines(res: dict) -> list[str]:
             lines.append(f"engine {name}: {top['rows']} rows x {top['context_per_row']:.0f} tokens: "
                          f"{top['tok_s']:.0f} tok/s, step {top['decode_step_s'] * 1e3:.2f} ms "
                          f"(roofline {top['roofline_step_s'] * 1e3:.2f} ms)")
+        prof = r.get("decode_profile")
+        if prof:
+            device = "" if prof["device_s_per_step"] is None else (
+                f", device {prof['device_s_per_step'] * 1e3:.2f} ms in {prof['device_ops_per_step']:.0f} kernels and copies")
+            lines.append(f"  profile at {prof['rows']} rows: step {prof['step_s'] * 1e3:.2f} ms, host ops "
+                         f"{prof['host_op_s_per_step'] * 1e3:.2f} ms{device}")
         for m in r["length_mix"]:
             lines.append(f"  mix at {m['concurrency']} rows: {m['tok_s']:.0f} tok/s; simulated "
                          f"{_get(m, 'simulated_tok_s_roofline'):.0f} (roofline), "

@@ -46,6 +46,7 @@ def one_shape(shape: dict, scale: Scale, device, dtype, deadline: Deadline) -> d
     cost = roofline(shape, device_name(device))
     recorded: list[tuple] = []
     grid = time_grid(model, shape["vocab_size"], scale, cost, deadline, recorded)
+    profile = decode_profile(model, shape["vocab_size"], scale) if not deadline.passed() else {}
     mix = []
     for c in scale.mix_concurrency:
         free(device)  # the last engine's KV cache
@@ -56,7 +57,7 @@ def one_shape(shape: dict, scale: Scale, device, dtype, deadline: Deadline) -> d
     fit = fit_costs(recorded) if len(recorded) >= len(COSTS) else {}
     for m in mix:
         m |= simulated_ceilings(scale, m["concurrency"], cost, fit)
-    return {"model_built_s": built_s, "by_concurrency": grid, "length_mix": mix,
+    return {"model_built_s": built_s, "by_concurrency": grid, "decode_profile": profile, "length_mix": mix,
             "step_cost": {"fit": fit, "roofline": roofline_terms(cost),
                           "what": "step = a + b x rows + c x context tokens + prefill_per_token x prefilled "
                                   "(+ the other features of sim/calibrate.py FEATURES), least squares over every "
@@ -104,6 +105,42 @@ def time_grid(model, vocab: int, scale: Scale, cost, deadline: Deadline, recorde
                        "roofline_tok_s": rows / predicted, "measured_over_roofline": step_s / predicted})
     recorded += recorder.rows
     return points
+
+
+def decode_profile(model, vocab: int, scale: Scale, steps: int = 5) -> dict:
+    """Where a decode step of the most rows the grid runs (64-token prompts) goes, from torch.profiler over
+    `steps` steps after two: its wall time, the host's time in PyTorch's ops, the device's time in kernels and
+    the kernels and copies run per step (launch-bound when the host's time is the step and the device's a fraction),
+    and the ops that took the host longest."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from april_ray.engine.cpu_engine import LLMEngine
+    from april_ray.types import GenerateRequest, SamplingParams
+
+    rows, rng = max(scale.grid_rows), np.random.default_rng(3)
+    engine = LLMEngine(model, rows, 64 + steps + 4, max_prefill_tokens=1 << 16)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=steps + 3)
+    for i in range(rows):
+        engine.add_request(GenerateRequest(f"p{i}", rng.integers(2, vocab, 64).tolist(), sp))
+    engine.step()  # the prefill
+    engine.step()
+    cuda = engine.runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()  # each reads its tokens back: the device is done when it returns
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    host = sum(e.self_cpu_time_total for e in events) / 1e6
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:5]
+    return {"rows": rows, "steps": steps, "step_s": wall / steps, "host_op_s_per_step": host / steps,
+            "device_s_per_step": sum(e.self_device_time_total for e in kernels) / 1e6 / steps if cuda else None,
+            "device_ops_per_step": sum(e.count for e in kernels) / steps if cuda else None,
+            "top_host_ops": [{"op": e.key, "s_per_step": e.self_cpu_time_total / 1e6 / steps,
+                              "calls_per_step": e.count / steps} for e in top]}
 
 
 def mix_throughput(model, scale: Scale, concurrency: int, deadline: Deadline, recorded: list) -> dict:
