@@ -110,8 +110,8 @@ def time_grid(model, vocab: int, scale: Scale, cost, deadline: Deadline, recorde
 def decode_profile(model, vocab: int, scale: Scale, steps: int = 5) -> dict:
     """Where a decode step of the most rows the grid runs (64-token prompts) goes, from torch.profiler over
     `steps` steps after two: its wall time, the host's time in PyTorch's ops, the device's time in kernels and
-    the kernels and copies run per step (launch-bound when the host's time is the step and the device's a fraction),
-    and the ops that took the host longest."""
+    copies and how many ran (launch-bound: the host's time is the step, the device's a fraction of it), and
+    the ops that took the host longest."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 

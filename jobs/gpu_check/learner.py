@@ -139,11 +139,14 @@ def measured_step(scale: Scale, device, path: Path, shape: dict, cfg) -> dict:
     held = sum(t.numel() * t.element_size() for t in learner.module.parameters())
     held += sum(t.numel() * t.element_size() for state in learner.optimizer.state.values() for t in state.values()
                 if torch.is_tensor(t))
+    # On a GPU the first step of its size picks its kernels: it is timed beside, not the figure. (On CPU the
+    # resident peak shows only in a process's first step of a size, so that one is measured.)
     first_step_s = None
-    if device.type == "cuda":  # the first step of its size picks its kernels: timed, not the figure (on CPU the
-        t0 = time.perf_counter()  # resident peak is only seen in a process's first step of that size)
+    if device.type == "cuda":
+        t0 = time.perf_counter()
         learner.train_step(batch, version=0)
-        first_step_s = _synced(device, t0)
+        torch.cuda.synchronize(device)
+        first_step_s = time.perf_counter() - t0
     peak = Peak(device, held)
     metrics = learner.train_step(batch, version=0)
     step_s = peak.stop()
@@ -188,14 +191,6 @@ class Peak:
         else:
             self.peak_gb = self.reserved_gb = (_status("VmHWM") - self.before + self.held) / 1e9
         return time.perf_counter() - self.t0
-
-
-def _synced(device, t0: float) -> float:
-    """Seconds since `t0`, once the device has done what was asked of it."""
-    import torch
-
-    torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
 
 
 def _status(field: str) -> int:
