@@ -47,7 +47,7 @@ def run(scale: Scale, device, dtype, work: Path, deadline: Deadline) -> dict:
                      "gb": result["bytes"] / 1e9, "s_per_update": per_update,
                      "gb_per_s": result["bytes"] / 1e9 / per_update if seconds else None,
                      "dtype": str(dtype).removeprefix("torch."), "bucket_mb": EngineConfig().weight_bucket_mb,
-                     "server": str(device), "stopped_early": len(seconds) < scale.updates}
+                     "server": str(device), "stopped_early": result["updates"] < scale.updates}
 
 
 async def hand_over(server, named, updates: int, bucket_mb: float, deadline: Deadline) -> dict:
