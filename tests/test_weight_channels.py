@@ -134,3 +134,22 @@ def test_a_handoff_or_disk_load_to_a_dead_server_leaves_it_out(random_model_dir,
     finally:
         a.stop()
         b.stop()
+
+
+def test_the_object_store_channel_puts_each_tensors_own_bytes_not_the_buffer_it_views():
+    """Parameters that are views of one flat buffer (a CPU DeepSpeed learner's) go into the object store
+    as their own bytes: a view would carry the whole buffer with it, once per tensor."""
+    import pickle
+
+    from april_ray.weights.object_store import ObjectStoreSender
+
+    flat = torch.arange(4000, dtype=torch.float32)
+    named = [(f"layer{i}.weight", flat[i * 1000:(i + 1) * 1000].view(10, 100)) for i in range(4)]
+    put = ObjectStoreSender(0, put=lambda obj: obj).send(named, [], version=1).weights
+    assert list(put) == [n for n, _ in named]
+    for (_, view), sent in zip(named, put.values()):
+        assert torch.equal(sent, view) and sent.untyped_storage().nbytes() == view.numel() * 4
+    assert len(pickle.dumps(put)) < 2 * flat.numel() * 4  # about the weights' 16 kB, not 4 x 16 kB
+    flat.zero_()  # a copy: the learner's next step does not change what the engines adopt
+    assert put["layer1.weight"][0, 0] == 1000
+    assert ObjectStoreSender(1, put=lambda obj: obj).send(named, [], 1).weights is None  # rank 0 alone puts

@@ -16,4 +16,11 @@ class ObjectStoreSender:
     def send(self, named: list[tuple[str, torch.Tensor]], clients: list, version: int) -> Delivery:
         if self.rank != 0:
             return Delivery()
-        return Delivery(weights=self.put({n: t.detach().cpu() for n, t in named}))
+        return Delivery(weights=self.put({n: own_copy(t) for n, t in named}))
+
+
+def own_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of `t` holding its own bytes alone. A CPU learner's parameters can be views of one flat
+    buffer (DeepSpeed's), and a view is serialised with its whole buffer: the tiny model's 3.2 MB of
+    weights went into the object store as 147 MB, a publish taking 0.2-0.5 s instead of 0.01."""
+    return t.detach().to("cpu", copy=True)
