@@ -93,6 +93,15 @@ def test_deepspeed_learner_single_rank_on_cpu(random_model_dir, tmp_path):
         torch.testing.assert_close(reloaded[k], v)
     torch.testing.assert_close(reloaded["lm_head.weight"], after["model.embed_tokens.weight"])
     assert (tmp_path / "optimizer" / "state").is_dir()
+    # its parameters are views of DeepSpeed's flat buffers; the object-store channel puts their own bytes
+    from april_ray.weights.object_store import ObjectStoreSender
+
+    with learner.optim.full_weights() as named:
+        named = list(named)
+        assert any(t.untyped_storage().nbytes() > t.numel() * t.element_size() for _, t in named)
+        sent = ObjectStoreSender(0, put=lambda obj: obj).send(named, [], version=1).weights
+    assert sum(t.untyped_storage().nbytes() for t in sent.values()) == sum(t.numel() * t.element_size()
+                                                                           for t in sent.values())
     torch.distributed.destroy_process_group()  # the learner's gloo group and its store, not left to the exit
 
 
