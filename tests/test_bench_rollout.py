@@ -18,7 +18,7 @@ def bench_rollout_run(tmp_path_factory, model_dir):
     tmp = tmp_path_factory.mktemp("bench-rollout")
     out = tmp / "bench.json"
     cmd = [sys.executable, "-m", "jobs.bench.rollout", "--json", str(out), "--steps", "2", "--warmup-steps", "1",
-           "--probe-every", "1", "--probe-seconds", "0.5", "--sweep", "--sweep-steps", "1",
+           "--probe-every", "1", "--probe-seconds", "0.5", "--sweep", "--sweep-factors", "1,3", "--sweep-steps", "1",
            "--out-dir", str(tmp / "plots"), f"model.path={model_dir}", f"model.cache_dir={tmp}",
            "task.num_train=300", "task.num_eval=16", "rollout.rollout_batch_size=4",
            "rollout.over_sampling_batch_size=4", "rollout.n_samples_per_prompt=4", "sampling.max_response_len=100",
@@ -43,9 +43,20 @@ def test_bench_rollout_runs_every_mode_and_the_sweep(bench_rollout_run):
     assert r["april"]["engine_reused_kv_tokens"] > 0 == r["april_recompute"]["engine_reused_kv_tokens"]
     assert r["speedup"] == pytest.approx(r["april"]["effective_tok_s"] / r["sync"]["effective_tok_s"])
     assert r["lost_samples"] == r["duplicated_samples"] == 0 and 0 < r["saturated_engine_on_core"] <= 1.01
-    assert len(r["saturated_runs"]) == 3 + 5  # before, after round 1, after; then one per sweep point
-    assert set(r["sweep"]) == {"1", "1.5", "2", "3", "4"}
+    assert len(r["saturated_runs"]) == 3 + 2  # before, after round 1, after; then one per sweep point
+    assert list(r["sweep"]) == ["1", "3"]
     assert all({"utilization", "speedup", "off_policy_token_ratio", "max_staleness", "store_groups_mean",
                 "running_rows_mean", "boundary_ms", "engine_on_core"}
                <= set(p) for p in r["sweep"].values())
     assert all(Path(p).is_file() for p in r["plots"]) and len(r["plots"]) == 4
+
+
+def test_sweep_factors_are_read_as_written_and_a_bad_list_names_the_flag():
+    import argparse
+
+    from jobs.bench.rollout import factor_list
+
+    assert factor_list("1,1.5,2,3,4") == [1, 1.5, 2, 3, 4] and [str(f) for f in factor_list("1,1.5")] == ["1", "1.5"]
+    for bad in ("1,x", "0.5,2", "2,2", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--sweep-factors"):
+            factor_list(bad)

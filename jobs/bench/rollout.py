@@ -1,6 +1,7 @@
 """Rollout benchmark: the synchronous baseline vs APRIL on the same engines and data, in one run.
 
-    python -m jobs.bench.rollout --json PATH [--sweep] [--steps 10] [--config YAML] [key=value ...]
+    python -m jobs.bench.rollout --json PATH [--sweep [--sweep-factors 1,1.5,2,3,4]] [--steps 10] [--config YAML]
+        [key=value ...]
 
 The config defaults to configs/tiny_cpu.yaml, the embedded default the main job trains with.
 
@@ -21,6 +22,7 @@ resume re-prefills, as in slime and AReaL. `kv_reuse_speedup` is APRIL over it.
 """
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
@@ -184,9 +186,9 @@ def plot(out_dir: Path, modes: dict[str, dict], cap: int) -> list[str]:
     return files + [str(path)]
 
 
-def sweep(cfg: Config, shared: Shared, engines: EngineGroup, weights_ref, steps: int, warmup_steps: int,
-          ceiling_before: float, probe) -> dict:
-    """The paper's ablation of the over-provisioning factor N'/N. Each point runs interleaved with a sync
+def sweep(cfg: Config, shared: Shared, engines: EngineGroup, weights_ref, factors: list[float], steps: int,
+          warmup_steps: int, ceiling_before: float, probe) -> dict:
+    """The paper's ablation of the over-provisioning factor N'/N, at each of `factors`. Each point runs interleaved with a sync
     baseline of its own (every Ray actor costs ~1% of a core even idle, so the points do not all run at
     once); its speedup is over that baseline, its utilization over the probes before and after it."""
     n = cfg.rollout.rollout_batch_size
@@ -194,7 +196,7 @@ def sweep(cfg: Config, shared: Shared, engines: EngineGroup, weights_ref, steps:
             "abort_latency_ms_p99", "lost_samples", "duplicated_samples", "running_rows_mean", "boundary_ms",
             "engine_busy_fraction", "engine_on_core")
     out = {}
-    for ratio in (1, 1.5, 2, 3, 4):
+    for ratio in factors:
         modes = [Mode("sync", with_rollout(cfg, schedule="sync", over_sampling_batch_size=n), shared, engines),
                  Mode("april", with_rollout(cfg, schedule="april",
                                                 over_sampling_batch_size=over_sampling_batch_size(ratio, n)),
@@ -211,11 +213,24 @@ def sweep(cfg: Config, shared: Shared, engines: EngineGroup, weights_ref, steps:
     return out
 
 
+def factor_list(text: str) -> list[float]:
+    """`--sweep-factors`: "1,1.5,3" -> [1, 1.5, 3]; a sweep point's key in the JSON is the factor as written."""
+    try:
+        factors = [float(f) for f in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sweep-factors: {text!r} is not a comma-separated list of numbers")
+    if not factors or any(f < 1 for f in factors) or len(set(factors)) != len(factors):
+        raise argparse.ArgumentTypeError(f"--sweep-factors: {text!r}: each factor N'/N is at least 1, none twice")
+    return [int(f) if f.is_integer() else f for f in factors]
+
+
 def main() -> None:
     def extra(p):
         p.set_defaults(config=str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"))
         p.add_argument("--json", required=True)
-        p.add_argument("--sweep", action="store_true", help="also run APRIL at N'/N = 1, 1.5, 2, 3, 4")
+        p.add_argument("--sweep", action="store_true", help="also run APRIL at each of --sweep-factors")
+        p.add_argument("--sweep-factors", type=factor_list, default="1,1.5,2,3,4",
+                       help="the over-provisioning factors N'/N of the sweep, comma-separated, each at least 1")
         p.add_argument("--steps", type=int, default=10)
         p.add_argument("--warmup-steps", type=int, default=2)
         p.add_argument("--sweep-steps", type=int, default=6)
@@ -274,8 +289,8 @@ def main() -> None:
         "plots": plot(out_dir, results, engines.capacities[0]),
     }
     if args.sweep:
-        result["sweep"] = sweep(cfg, shared, engines, weights_ref, args.sweep_steps, args.warmup_steps,
-                                saturated[-1], probe)
+        result["sweep"] = sweep(cfg, shared, engines, weights_ref, args.sweep_factors, args.sweep_steps,
+                                args.warmup_steps, saturated[-1], probe)
         result["saturated_runs"] = saturated
     write_result(args.json, result)
 
