@@ -94,8 +94,8 @@ def engine_key(cfg, model_dir) -> str:
 def engine_sets(local_ray):
     """Engines started by `engine_key`, shared by the module's tests (starting engine processes is most of a
     test's cost), and the model's own weights in the object store by model directory (`as_if_started`)."""
-    sets, weights, used = {}, {}, set()
-    yield sets, weights, used
+    sets, weights = {}, {}
+    yield sets, weights
     for engines in sets.values():
         engines.shutdown()
 
@@ -127,24 +127,22 @@ def as_if_started(shared, initial_weights):
 @pytest.fixture
 def engines_of(engine_sets):
     """Engines for a config: those of the module's set for its `engine_key` (started the first time, and
-    again after a test killed one for good), as if just started (`as_if_started`). `unused`: engines no
-    test had before (their cumulative counters count this test's tokens alone)."""
-    sets, weights, used = engine_sets
+    again after a test killed one for good), as if just started (`as_if_started`); their token counters go on
+    from earlier tests."""
+    sets, weights = engine_sets
 
-    def start(cfg, model_dir, unused=False):
+    def start(cfg, model_dir):
         key = engine_key(cfg, model_dir)
         if model_dir not in weights:
             from april_ray.model import load_policy
 
             weights[model_dir] = ray.put(load_policy(model_dir)[0].state_dict())
-        shared = key in sets and not (unused and key in used)
-        engines = as_if_started(sets[key], weights[model_dir]) if shared else None
+        engines = as_if_started(sets[key], weights[model_dir]) if key in sets else None
         if engines is None:
             if key in sets:
                 sets.pop(key).shutdown()
             sets[key] = start_engines(cfg, model_dir, timeout_s=60)
             engines = as_if_started(sets[key], weights[model_dir])
-        used.add(key)
         return engines
 
     return start
@@ -201,7 +199,8 @@ def test_april_steps_on_two_engine_workers(local_ray, tmp_path, model_dir, engin
     extra = ["engine.park_slots=32", "engine.reuse_stale_kv=true"] if park else []
     # long responses, so groups finish far apart and some are interrupted (see the killed-engine test)
     cfg = small_cfg(tmp_path, "sampling.max_response_len=200", "engine.max_model_len=256", *extra)
-    engines = engines_of(cfg, model_dir, unused=True)  # the engines' token counters are this test's alone
+    engines = engines_of(cfg, model_dir)
+    before = engines.stats()  # cumulative token counters: this test's are the difference
     # a step interrupts samples, the next resumes them at a newer version: four leave room for that to happen
     actors, results = run_steps(cfg, model_dir, engines, 4, actors=rollout_of(cfg, model_dir, engines))
     resumed = [s for _, samples in results for s in samples if s.num_resumes]
@@ -210,9 +209,9 @@ def test_april_steps_on_two_engine_workers(local_ray, tmp_path, model_dir, engin
     assert any(r.metrics["rollout/abort_latency_s"] > 0 for r, _ in results)
     assert [st.version for st in engines.stats()] == [4, 4]
     stats = engines.stats()
-    assert all(st.num_generated_tokens > 0 for st in stats)  # both engines served
+    assert all(st.num_generated_tokens > b.num_generated_tokens for st, b in zip(stats, before))  # both served
     # with spare slots, resumed samples went back to their engine and restored their parked caches
-    assert (sum(st.num_reused_tokens for st in stats) > 0) == park
+    assert (sum(st.num_reused_tokens - b.num_reused_tokens for st, b in zip(stats, before)) > 0) == park
 
 
 def test_sync_baseline_on_ray_stores_nothing(local_ray, tmp_path, model_dir, engines_of, rollout_of):
