@@ -188,9 +188,10 @@ def plot(out_dir: Path, modes: dict[str, dict], cap: int) -> list[str]:
 
 def sweep(cfg: Config, shared: Shared, engines: EngineGroup, weights_ref, factors: list[float], steps: int,
           warmup_steps: int, ceiling_before: float, probe) -> dict:
-    """The paper's ablation of the over-provisioning factor N'/N, at each of `factors`. Each point runs interleaved with a sync
-    baseline of its own (every Ray actor costs ~1% of a core even idle, so the points do not all run at
-    once); its speedup is over that baseline, its utilization over the probes before and after it."""
+    """The paper's ablation of the over-provisioning factor N'/N, at each of `factors`. Each point runs
+    interleaved with a sync baseline of its own (every Ray actor costs ~1% of a core even idle, so the points
+    do not all run at once); its speedup is over that baseline, its utilization over the probes before and
+    after it."""
     n = cfg.rollout.rollout_batch_size
     keys = ("effective_tok_s", "off_policy_token_ratio", "max_staleness", "store_groups_mean",
             "abort_latency_ms_p99", "lost_samples", "duplicated_samples", "running_rows_mean", "boundary_ms",
@@ -218,9 +219,10 @@ def factor_list(text: str) -> list[float]:
     try:
         factors = [float(f) for f in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--sweep-factors: {text!r} is not a comma-separated list of numbers")
-    if not factors or any(f < 1 for f in factors) or len(set(factors)) != len(factors):
-        raise argparse.ArgumentTypeError(f"--sweep-factors: {text!r}: each factor N'/N is at least 1, none twice")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of numbers") from None
+    if any(f < 1 for f in factors) or len(set(factors)) != len(factors):
+        raise argparse.ArgumentTypeError(f"{text!r}: each factor N'/N is at least 1, none twice")
     return [int(f) if f.is_integer() else f for f in factors]
 
 
