@@ -22,7 +22,6 @@ resume re-prefills, as in slime and AReaL. `kv_reuse_speedup` is APRIL over it.
 """
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from actors.store import StoreActor
 from jobs.bench.steplog import StepLog, public
 from driver.cluster import init_ray
 from jobs.common import parse, write_result
+from sim.config import number_list
 from april_ray.config import Config, over_sampling_batch_size, with_rollout
 from april_ray.model import load_policy
 from april_ray.task.data import read_examples
@@ -197,7 +197,7 @@ def sweep(cfg: Config, shared: Shared, engines: EngineGroup, weights_ref, factor
             "abort_latency_ms_p99", "lost_samples", "duplicated_samples", "running_rows_mean", "boundary_ms",
             "engine_busy_fraction", "engine_on_core")
     out = {}
-    for ratio in factors:
+    for ratio in dict.fromkeys(factors):  # a factor given twice runs once
         modes = [Mode("sync", with_rollout(cfg, schedule="sync", over_sampling_batch_size=n), shared, engines),
                  Mode("april", with_rollout(cfg, schedule="april",
                                                 over_sampling_batch_size=over_sampling_batch_size(ratio, n)),
@@ -205,33 +205,24 @@ def sweep(cfg: Config, shared: Shared, engines: EngineGroup, weights_ref, factor
         res = run_interleaved(modes, engines, weights_ref, steps, warmup_steps)
         sync, april = res["sync"], res["april"]
         ceiling_after = probe()
-        out[str(ratio)] = {"speedup": april["effective_tok_s"] / sync["effective_tok_s"],
-                           "utilization": april["effective_tok_s"] / np.mean([ceiling_before, ceiling_after]),
-                           **{k: april[k] for k in keys}, "sync_effective_tok_s": sync["effective_tok_s"],
-                           "sync_lost_samples": sync["lost_samples"],
-                           "sync_duplicated_samples": sync["duplicated_samples"]}
+        out[f"{ratio:g}"] = {"speedup": april["effective_tok_s"] / sync["effective_tok_s"],
+                             "utilization": april["effective_tok_s"] / np.mean([ceiling_before, ceiling_after]),
+                             **{k: april[k] for k in keys}, "sync_effective_tok_s": sync["effective_tok_s"],
+                             "sync_lost_samples": sync["lost_samples"],
+                             "sync_duplicated_samples": sync["duplicated_samples"]}
         ceiling_before = ceiling_after
     return out
 
 
-def factor_list(text: str) -> list[float]:
-    """`--sweep-factors`: "1,1.5,3" -> [1, 1.5, 3]; a sweep point's key in the JSON is the factor as written."""
-    try:
-        factors = [float(f) for f in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of numbers") from None
-    if any(f < 1 for f in factors) or len(set(factors)) != len(factors):
-        raise argparse.ArgumentTypeError(f"{text!r}: each factor N'/N is at least 1, none twice")
-    return [int(f) if f.is_integer() else f for f in factors]
-
-
 def main() -> None:
+    parsers = []
+
     def extra(p):
+        parsers.append(p)  # to name a bad --sweep-factors as the other flags are named
         p.set_defaults(config=str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"))
         p.add_argument("--json", required=True)
         p.add_argument("--sweep", action="store_true", help="also run APRIL at each of --sweep-factors")
-        p.add_argument("--sweep-factors", type=factor_list, default="1,1.5,2,3,4",
+        p.add_argument("--sweep-factors", default="1,1.5,2,3,4",
                        help="the over-provisioning factors N'/N of the sweep, comma-separated, each at least 1")
         p.add_argument("--steps", type=int, default=10)
         p.add_argument("--warmup-steps", type=int, default=2)
@@ -241,6 +232,8 @@ def main() -> None:
         p.add_argument("--out-dir", default="outputs/bench_rollout")
 
     cfg, args = parse(__doc__, extra)
+    factors = number_list(parsers[0], "--sweep-factors", args.sweep_factors, float, lambda f: f >= 1,
+                          "N'/N of at least 1")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     job = prepare(cfg)
@@ -291,7 +284,7 @@ def main() -> None:
         "plots": plot(out_dir, results, engines.capacities[0]),
     }
     if args.sweep:
-        result["sweep"] = sweep(cfg, shared, engines, weights_ref, args.sweep_factors, args.sweep_steps,
+        result["sweep"] = sweep(cfg, shared, engines, weights_ref, factors, args.sweep_steps,
                                 args.warmup_steps, saturated[-1], probe)
         result["saturated_runs"] = saturated
     write_result(args.json, result)
