@@ -13,6 +13,8 @@ import importlib
 import inspect
 import threading
 
+from april_ray.errors import ConfigError
+
 
 def load_object(path: str, key: str):
     """The callable `path` names (`package.module:name`, the module imported from sys.path); a ValueError
@@ -100,8 +102,6 @@ def _signature(fn) -> str:
 def check_plugins(cfg) -> None:
     """Import every plug-in the config names and check its signature; a ConfigError names the key, the
     file and what is wrong."""
-    from april_ray.config import ConfigError
-
     try:
         if cfg.task.reward_fn:
             fn = load_object(cfg.task.reward_fn, "task.reward_fn")

@@ -7,12 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from april_ray.config import Config, to_yaml
-from april_ray.model import ensure_model
 from april_ray.placement import Layout, plan
 from april_ray.plugins import check_plugins
 from april_ray.task.data import dataset_paths, fit_context, read_examples
-from driver.checkpoint import current_run, new_run_id, open_run
-from driver.output_dir import OutputLock
+from april_ray.task.embedded_model import ensure_model
+from driver.output_dir import OutputLock, current_run, new_run_id, open_run
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ import asyncio
 import json
 
 from jobs.common import parse
-from april_ray.model import ensure_model
 from april_ray.rollout.engine_worker import build_worker
 from april_ray.task.data import dataset_paths, read_examples
+from april_ray.task.embedded_model import ensure_model
 from april_ray.task.evaluate import accuracy, eval_items
 
 

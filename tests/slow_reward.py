@@ -3,11 +3,11 @@ step of the tiny model then lasts longer than twice Ray's metrics export interva
 (tests/head_job.py). Async, so the samples' pauses overlap."""
 import asyncio
 
-from april_ray.task.rewards import countdown_task_reward
+from april_ray.task.countdown import countdown_reward
 
 PAUSE_S = 4.5
 
 
 async def countdown_after_a_pause(prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
     await asyncio.sleep(PAUSE_S)
-    return countdown_task_reward(prompt, response, answer, metadata)
+    return countdown_reward(prompt, response)

@@ -48,7 +48,7 @@ def test_prompt_characters_outside_the_tokenizer_are_named_not_made_unknown(tmp_
 BUILD = """
 import sys
 from april_ray.config import load_config
-from april_ray.model import ensure_model
+from april_ray.task.embedded_model import ensure_model
 cfg = load_config(None, [f"model.cache_dir={sys.argv[1]}", "warmup.steps=3", "task.num_train=64", "model.num_layers=1"])
 print(ensure_model(cfg, log=lambda _: None))
 """
@@ -56,7 +56,8 @@ print(ensure_model(cfg, log=lambda _: None))
 
 def test_two_builds_of_the_embedded_model_at_once_both_succeed_and_touch_no_other_directory(tmp_path):
     from april_ray.config import load_config
-    from april_ray.model import check_model_dir, embedded_model_dir
+    from april_ray.model import check_model_dir
+    from april_ray.task.embedded_model import embedded_model_dir
 
     cfg = load_config(None, [f"model.cache_dir={tmp_path}", "warmup.steps=3", "task.num_train=64", "model.num_layers=1"])
     out = embedded_model_dir(cfg)

@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from april_ray.config import load_config
-from april_ray.model import embedded_model_dir, ensure_model
+from april_ray.task.embedded_model import embedded_model_dir, ensure_model
 
 
 def quick_cfg(cache, *extra):

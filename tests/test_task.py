@@ -5,7 +5,8 @@ import pytest
 
 from april_ray.config import LengthConfig, TaskConfig
 from april_ray.task.data import dataset_paths, read_examples
-from april_ray.task.rewards import get_reward_fn, math_reward
+from april_ray.task.math_task import math_reward
+from april_ray.task.registry import get_task
 from april_ray.task.countdown import TOKENS_PER_TERM, countdown_reward, generate, sample_num_terms, write_jsonl
 from april_ray.task.tokenizer import build_tokenizer
 
@@ -88,7 +89,7 @@ def test_parquet_with_dapo_layout(tmp_path):
 ])
 def test_math_reward_with_math_verify(response, answer, expected):
     assert math_reward("", response, answer) == expected
-    assert get_reward_fn("math")("", response, answer) == expected
+    assert get_task("math").reward("", response, answer) == expected
 
 
 # -- bad input: each answered with an error naming the file and line (or key), nothing lost ------------

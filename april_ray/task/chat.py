@@ -7,7 +7,10 @@ warm-up encodes the countdown's prompts as text, which the embedded template ren
 """
 from __future__ import annotations
 
-from april_ray.config import TaskConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from april_ray.config import TaskConfig
 
 
 class PromptEncoder:

@@ -8,14 +8,19 @@ reasoning traces are. The reward is 1 when the response is exactly the right cou
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from april_ray.config import LengthConfig, TaskConfig
+if TYPE_CHECKING:
+    from april_ray.config import LengthConfig, TaskConfig
+    from april_ray.task.data import Example
 
 WIDTH = 4
 TOKENS_PER_TERM = WIDTH + 1
@@ -78,3 +83,28 @@ def countdown_reward(prompt: str, response: str) -> float:
     except ValueError:
         return 0.0
     return float(response == expected)
+
+
+class CountdownTask:
+    """`task.name=countdown` (`registry.Task`): the data is generated, the reward is the exact countdown."""
+    name = "countdown"
+
+    def check(self, cfg: TaskConfig) -> None:
+        pass
+
+    def data_dir(self, cfg: TaskConfig, cache_dir: str) -> Path:
+        key = json.dumps({"length": asdict(cfg.length), "n": [cfg.num_train, cfg.num_eval], "seed": cfg.seed,
+                          "max_step": cfg.max_step})
+        return Path(cache_dir) / "data" / f"countdown-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+    def generate(self, cfg: TaskConfig, num: int, seed: int) -> list[dict]:
+        return generate(cfg, num, seed)
+
+    def reward(self, prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
+        return countdown_reward(prompt, response)
+
+    def model_key(self, cfg: TaskConfig) -> dict:
+        return {}
+
+    def warmup_segments(self, example: Example) -> list[tuple[str, bool]]:
+        return [(example.answer, True)]

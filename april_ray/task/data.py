@@ -5,13 +5,16 @@ so the embedded task and real data go through one path. Errors name the file and
 """
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from april_ray.config import TaskConfig
-from april_ray.task import countdown, lookup_countdown
+from april_ray.task.countdown import write_jsonl
+from april_ray.task.registry import get_task
+
+if TYPE_CHECKING:
+    from april_ray.config import TaskConfig
 
 
 @dataclass(frozen=True)
@@ -177,23 +180,14 @@ def fit_context(examples: list[Example], encode, max_prompt_tokens: int, policy:
     return [ex for ex, _ in kept]
 
 
-def task_dir(cfg: TaskConfig, cache_dir: str) -> Path:
-    if cfg.name == "lookup_countdown":  # its lengths come from the tool's values, not task.length
-        key = json.dumps({"n": [cfg.num_train, cfg.num_eval], "seed": cfg.seed, "max_step": cfg.max_step,
-                          "format": lookup_countdown.FORMAT})
-        return Path(cache_dir) / "data" / f"lookup-countdown-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
-    key = json.dumps({"length": asdict(cfg.length), "n": [cfg.num_train, cfg.num_eval], "seed": cfg.seed, "max_step": cfg.max_step})
-    return Path(cache_dir) / "data" / f"countdown-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
-
-
 def dataset_paths(cfg: TaskConfig, cache_dir: str) -> tuple[Path, Path]:
-    """(train, eval) files: the configured ones, or the countdown task generated once into the cache."""
+    """(train, eval) files: the configured ones, or the task's own generated once into the cache."""
     if cfg.train_path:
         return Path(cfg.train_path), Path(cfg.eval_path or cfg.train_path)
-    out = task_dir(cfg, cache_dir)
+    task = get_task(cfg.name)
+    out = task.data_dir(cfg, cache_dir)
     train, evaluation = out / "train.jsonl", out / "eval.jsonl"
     if not (train.is_file() and evaluation.is_file()):
-        generate = lookup_countdown.generate if cfg.name == "lookup_countdown" else countdown.generate
-        countdown.write_jsonl(generate(cfg, cfg.num_train, cfg.seed), train)
-        countdown.write_jsonl(generate(cfg, cfg.num_eval, cfg.seed + 1), evaluation)
+        write_jsonl(task.generate(cfg, cfg.num_train, cfg.seed), train)
+        write_jsonl(task.generate(cfg, cfg.num_eval, cfg.seed + 1), evaluation)
     return train, evaluation

@@ -22,11 +22,16 @@ import json
 import math
 import os
 import string
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from april_ray.config import TaskConfig
 from april_ray.task.countdown import WIDTH, countdown_response
+
+if TYPE_CHECKING:
+    from april_ray.config import TaskConfig
+    from april_ray.task.data import Example
 
 KEY_CHARS = string.ascii_lowercase
 MAX_VALUE = 48
@@ -119,3 +124,29 @@ def reward(prompt: str, response: str, answer: str, metadata: dict | None = None
     except ValueError:
         return 0.0
     return float(response == right)
+
+
+class LookupCountdownTask:
+    """`task.name=lookup_countdown` (`registry.Task`): generated data, whose lengths come from the tool's
+    values (not task.length); the warm-up trains the model's turns of the whole transcript."""
+    name = "lookup_countdown"
+
+    def check(self, cfg: TaskConfig) -> None:
+        pass
+
+    def data_dir(self, cfg: TaskConfig, cache_dir: str) -> Path:
+        key = json.dumps({"n": [cfg.num_train, cfg.num_eval], "seed": cfg.seed, "max_step": cfg.max_step,
+                          "format": FORMAT})
+        return Path(cache_dir) / "data" / f"lookup-countdown-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+    def generate(self, cfg: TaskConfig, num: int, seed: int) -> list[dict]:
+        return generate(cfg, num, seed)
+
+    def reward(self, prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
+        return reward(prompt, response, answer, metadata)
+
+    def model_key(self, cfg: TaskConfig) -> dict:
+        return {"name": self.name, "format": FORMAT}
+
+    def warmup_segments(self, example: Example) -> list[tuple[str, bool]]:
+        return segments(example.prompt)

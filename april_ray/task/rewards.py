@@ -1,8 +1,8 @@
 """Rewards, chosen once per engine worker from the task config (`build_reward_fn`).
 
-Built in: `math` uses HF's math-verify to parse and compare answers (LaTeX, boxed, fractions, sets, ...),
-the checker DAPO-style recipes use; `countdown` checks the embedded task exactly. A user's function comes
-by dotted path (`task.reward_fn=module:function`) and a served reward model by URL (`task.reward_url`).
+Built in: each task's own (`registry.Task.reward`: `math` compares answers with HF's math-verify, the
+countdown tasks check the embedded task exactly). A user's function comes by dotted path
+(`task.reward_fn=module:function`) and a served reward model by URL (`task.reward_url`).
 Every reward has one signature, `(prompt, response, answer, metadata) -> float` (an async function too;
 one without `metadata` is called without it), and runs under `RewardRunner`: a call that raises, hangs or
 returns anything but a real number (`reward_value`: not a bool, not a string such as "0.5") scores 0 and
@@ -20,15 +20,17 @@ import asyncio
 import json
 import math
 import numbers
-import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
-from april_ray.config import TaskConfig
 from april_ray.plugins import accepts, in_thread, is_async, load_object
-from april_ray.task.countdown import countdown_reward
+from april_ray.task.math_task import math_reward  # noqa: F401  (task.reward_fn=april_ray.task.rewards:math_reward)
+from april_ray.task.registry import get_task
+
+if TYPE_CHECKING:
+    from april_ray.config import TaskConfig
 
 RewardFn = Callable[[str, str, str, dict], "float | Awaitable[float]"]
 """(prompt, response, answer, metadata) -> reward; metadata is the dataset row's other fields."""
@@ -36,36 +38,6 @@ GroupRewardFn = Callable[[list[str], list[str], list[str], list[dict]], "list[fl
 """(prompts, responses, answers, metadatas) -> a reward per response, in order (`task.reward_per_group`)."""
 
 THINK_END = "</think>"
-
-
-def math_reward(prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
-    from math_verify import parse, verify
-
-    # math-verify's own timeouts use SIGALRM, which only the main thread may set; elsewhere (the
-    # RewardRunner's threads) the runner's timeout applies instead.
-    limit = 5 if threading.current_thread() is threading.main_thread() else None
-    # Ground truths are bare ("1/2", "\\sqrt{8}"); math-verify reads LaTeX inside delimiters.
-    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$", parsing_timeout=limit)
-    pred = parse(response, parsing_timeout=limit)
-    if not gold or not pred:
-        return 0.0
-    return float(verify(gold, pred, timeout_seconds=limit))
-
-
-def countdown_task_reward(prompt: str, response: str, answer: str, metadata: dict | None = None) -> float:
-    return countdown_reward(prompt, response)
-
-
-def get_reward_fn(task_name: str) -> RewardFn:
-    """The task's own reward."""
-    if task_name == "countdown":
-        return countdown_task_reward
-    if task_name == "math":
-        return math_reward
-    if task_name == "lookup_countdown":
-        from april_ray.task.lookup_countdown import reward
-        return reward
-    raise ValueError(f"task.name: no reward for {task_name!r}")
 
 
 def after_think(fn: RewardFn) -> RewardFn:
@@ -88,7 +60,7 @@ def build_reward_fn(task: TaskConfig) -> RewardFn | GroupRewardFn:
         return load_object(task.reward_fn, "task.reward_fn")
     if task.reward_url:
         return UrlReward(task.reward_url, task.reward_url_timeout_s, task.reward_url_retries)
-    fn = get_reward_fn(task.name)
+    fn = get_task(task.name).reward
     return after_think(fn) if task.reward_after_think else fn
 
 

@@ -20,8 +20,9 @@ from jobs.common import parse, write_result
 from april_ray.engine.async_engine import AsyncEngine
 from april_ray.engine.cpu_engine import LLMEngine
 from april_ray.engine.probe import saturated_throughput
-from april_ray.model import ensure_model, load_policy
+from april_ray.model import load_policy
 from april_ray.task.data import dataset_paths, read_examples
+from april_ray.task.embedded_model import ensure_model
 from april_ray.types import GenerateRequest, SamplingParams
 
 NEW_TOKENS = 128
