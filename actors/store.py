@@ -45,7 +45,7 @@ def with_refs(groups: list[HeldGroup], samples_ref) -> list[HeldGroup]:
 @ray.remote(num_cpus=0)
 class StoreActor:
     def __init__(self, staleness: StalenessConfig):
-        self.store = PartialRolloutStore(max_versions=staleness.max_versions, policy=staleness.policy)
+        self.store = PartialRolloutStore(staleness)
         self.metrics = StoreMetrics()
 
     def put_partial(self, groups) -> None:

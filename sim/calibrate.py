@@ -163,7 +163,7 @@ def cpu_setting(cfg: Config, measured: dict, prompt_lens: list[int], per_request
     lengths = LengthModel("task", 1.0, 1.0, 1.0, cfg.task.seed, rows=by_row, by_sample=by_sample)
     workload = Workload(lengths, prompt_lens, 1, cfg.sampling.max_response_len, 0.0, cfg.task.seed)
     e = cfg.engine
-    stale = cfg.staleness.max_versions if e.reuse_stale_kv else 0
+    stale = cfg.staleness.kv_max_versions(e.reuse_stale_kv)
     slots = e.max_num_seqs * e.max_model_len  # the CPU engine's cache: a slot of max_model_len per row
     return Setting(workload, cpu_step_cost(measured["fit"], per_request, per_aborted, per_step), 1, e.max_num_seqs, slots,
                    e.max_prefill_tokens, StalenessConfig(cfg.staleness.max_versions, cfg.staleness.policy),
@@ -175,8 +175,9 @@ def measure(cfg: Config, schedules: dict, num_prompts: int = 320) -> dict:
     and the tiny model's response lengths."""
     import torch
 
-    from april_ray.model import ensure_model, load_policy
+    from april_ray.model import load_policy
     from april_ray.task.data import dataset_paths, read_examples
+    from april_ray.task.embedded_model import ensure_model
 
     train_path, _ = dataset_paths(cfg.task, cfg.model.cache_dir)
     train = read_examples(train_path, cfg.task.prompt_key, cfg.task.answer_key)
@@ -266,7 +267,7 @@ def calibrate(cfg: Config, sim, costs: dict, measured: dict) -> dict:
     engine's thread (their CPU holds the engine up), as in the bench; `free`: they cost no time."""
     from transformers import AutoTokenizer
 
-    from april_ray.model import ensure_model
+    from april_ray.task.embedded_model import ensure_model
     from sim import study
     from april_ray.task.data import dataset_paths, read_examples
 

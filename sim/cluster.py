@@ -95,7 +95,7 @@ class Schedule:
             w.reward = InlineReward(wl.reward)
         self.source = PromptSource(wl.examples(), wl.encode, rollout.n_samples_per_prompt, wl.max_response_blocks,
                                    setting.seed)
-        self.store = PartialRolloutStore(max_versions=setting.staleness.max_versions, policy=setting.staleness.policy)
+        self.store = PartialRolloutStore(setting.staleness)
         self.pool = LocalPool(workers, [setting.max_num_seqs] * setting.num_engines)
         self.monitor = CompletionMonitor(rollout, self.pool, LocalProxy(self.source), LocalProxy(self.store),
                                          setting.staleness)

@@ -31,6 +31,7 @@ import asyncio
 import heapq
 from collections import OrderedDict, deque
 
+from april_ray.config import within_versions
 from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
 from sim.hardware import StepCost
 
@@ -177,15 +178,20 @@ class SimEngine:
             return True
         return False
 
-    def abort_all(self) -> int:
-        n = len(self.waiting) + len(self.running)
-        while self.waiting:
-            self._resolve(self.waiting.popleft(), FinishReason.ABORT)
-        for rid in self.running:
+    def abort_tagged(self, tag: str) -> int:
+        waiting = [r for r in self.waiting if r.request_id.endswith(tag)]
+        running = [rid for rid in self.running if rid.endswith(tag)]
+        self.waiting = deque(r for r in self.waiting if not r.request_id.endswith(tag))
+        for r in waiting:
+            self._resolve(r, FinishReason.ABORT)
+        for rid in running:
             self.aborting.setdefault(rid, True)
-        if self.running:
+        if running:
             self._poke()
-        return n
+        return len(waiting) + len(running)
+
+    def abort_all(self) -> int:
+        return self.abort_tagged("")
 
     def update_weights(self, state_dict, version: int) -> None:
         """Weights are not simulated; tokens from the next step boundary carry `version`."""
@@ -199,7 +205,7 @@ class SimEngine:
         """Adopt the weights of `version`; parked caches now too stale to reuse free their slots (as the
         CPU engine's `ParkedKV.expire`)."""
         self.version = version
-        for key in [k for k, v in self.parked.items() if version - v > self.max_versions]:
+        for key in [k for k, v in self.parked.items() if not within_versions(version - v, self.max_versions)]:
             del self.parked[key]
 
     def set_kv_reuse(self, enabled: bool) -> None:
@@ -360,7 +366,7 @@ class SimEngine:
             r = waiting[0]
             n_in = r.input_len
             hit = parked.get((r.key, n_in)) if parked else None
-            reuse = hit is not None and version - hit <= self.max_versions
+            reuse = hit is not None and within_versions(version - hit, self.max_versions)
             if context + n_in + len(running) > kv_free:
                 break  # no room in the KV cache: it waits
             if inputs and prefill + (0 if reuse else n_in) > max_prefill:

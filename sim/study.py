@@ -46,7 +46,7 @@ def gpu_setting(cfg: Config, sim: SimulateConfig, gpus: int) -> Setting:
     kv = kv_capacity_tokens(model, acc, tp, cfg.engine.mem_fraction)
     workload = Workload(length_model(sim), [sim.prompt_len] * sim.num_prompts, block, cfg.sampling.max_response_len,
                         sim.filtered_fraction, sim.seed)
-    stale = cfg.staleness.max_versions if cfg.engine.reuse_stale_kv else 0
+    stale = cfg.staleness.kv_max_versions(cfg.engine.reuse_stale_kv)
     return Setting(workload, cost, gpus // tp, cfg.engine.max_num_seqs, kv // block,
                    max(1, cfg.engine.max_prefill_tokens // block), cfg.staleness, cfg.engine.park_slots, stale,
                    sim.seed)

@@ -64,11 +64,14 @@ class FakeEngine:
             return True
         return False
 
-    def abort_all(self):
-        ids = list(self.running)
+    def abort_tagged(self, tag):
+        ids = [rid for rid in self.running if rid.endswith(tag)]
         for rid in ids:
             self._finish(rid, FinishReason.ABORT)
         return len(ids)
+
+    def abort_all(self):
+        return self.abort_tagged("")
 
     def update_weights(self, state_dict, version):
         self.version = version
@@ -117,6 +120,6 @@ def make_rollout_parts(cfg, num_examples=500, seed=0, num_engines=2, cap=16, tic
         pool = LocalPool(workers, [cap] * num_engines, abort_delay)
     source = PromptSource(length_examples(num_examples, seed), lambda text: [int(text)],
                           cfg.rollout.n_samples_per_prompt, cfg.sampling.max_response_len, seed)
-    store = PartialRolloutStore(max_versions=cfg.staleness.max_versions, policy=cfg.staleness.policy)
+    store = PartialRolloutStore(cfg.staleness)
     rollout = CompletionMonitor(cfg.rollout, pool, LocalProxy(source), LocalProxy(store), cfg.staleness)
     return rollout, pool, source, store, engines

@@ -13,10 +13,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from april_ray.config import StalenessConfig
 from april_ray.rollout.store import PartialRolloutStore
 from april_ray.tracking import truncate_step_logs, wandb_run_id
 from driver.checkpoint import (CheckpointError, find_checkpoint, incomplete_reason, read_state, rollout_state,
-                               start_run, write_checkpoint)
+                               write_checkpoint)
+from driver.output_dir import current_run, start_run
 from tests.fakes import make_rollout_parts
 from tests.test_rollout import cfg, check_invariants, run_steps
 
@@ -31,7 +33,7 @@ def save_policy(path):
 def checkpoint_of(out, step, source, store, monitor, version=None):
     state = rollout_state(step, step + 1 if version is None else version, source.state_dict(), store.state_dict(),
                           monitor.state_dict())
-    return write_checkpoint(out, state, save_policy)
+    return write_checkpoint(out, state, save_policy, current_run(out))
 
 
 def test_rollout_state_round_trips_through_json_and_the_run_goes_on_exactly_once(tmp_path):
@@ -90,7 +92,7 @@ def partial_state():
 ])
 def test_store_state_errors_name_the_field_and_change_nothing(edit, message):
     state = partial_state()
-    store = PartialRolloutStore(max_versions=4)
+    store = PartialRolloutStore(StalenessConfig(max_versions=4))
     edit(state)
     with pytest.raises(ValueError, match=message):
         store.load_state_dict(state)

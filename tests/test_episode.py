@@ -49,11 +49,15 @@ class TranscriptEngine:
     def _output(self, req, out, reason):
         return GenerateOutput(req.request_id, out, [-0.1] * len(out), [self.version] * len(out), reason)
 
-    def abort_all(self):
-        for fut in self.running.values():
+    def abort_tagged(self, tag):
+        futs = [fut for rid, fut in self.running.items() if rid.endswith(tag)]
+        for fut in futs:
             if not fut.done():
                 fut.set_result(None)
-        return len(self.running)
+        return len(futs)
+
+    def abort_all(self):
+        return self.abort_tagged("")
 
 
 def make_worker(journal=None, engine=None):
@@ -266,7 +270,7 @@ def agent_monitor(episode_fn=None, reward_fn=None):
     rows = lookup_countdown.generate(c.task, 200, seed=3)
     source = PromptSource([Example(i, r["prompt"], r["answer"]) for i, r in enumerate(rows)], TOK.encode, 2, 512,
                           seed=0)
-    store = PartialRolloutStore(max_versions=100)
+    store = PartialRolloutStore(StalenessConfig(max_versions=100))
     monitor = CompletionMonitor(c.rollout, LocalPool(list(workers), [16, 16]), LocalProxy(source), LocalProxy(store),
                                 c.staleness)
     return source, store, monitor, engines

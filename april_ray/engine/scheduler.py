@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from april_ray.config import within_versions
 from april_ray.types import FinishReason, GenerateOutput, GenerateRequest
 
 
@@ -129,7 +130,8 @@ class ParkedKV:
     prompt often begin alike): they share one entry and one slot, counted, each resume takes it once, and
     the slot is freed after the last. Entries are evicted oldest parked first when the spare slots run
     out, and reusable while the weights are at most `max_versions` versions newer than the ones that
-    computed them (0: only the very same weights, an exact prefix cache).
+    computed them (0: only the very same weights, an exact prefix cache): the one staleness rule,
+    `config.within_versions`, under the bound `StalenessConfig.kv_max_versions` gives the engine.
     """
 
     def __init__(self, first_slot: int, num_slots: int, max_versions: int):
@@ -166,7 +168,7 @@ class ParkedKV:
         if not self.entries:  # the common case, and always without spare slots: no key to build
             return None
         entry = self.entries.get(tuple(tokens))
-        return entry if entry is not None and version - entry.version <= self.max_versions else None
+        return entry if entry is not None and within_versions(version - entry.version, self.max_versions) else None
 
     def take(self, tokens: list[int], version: int) -> ParkedEntry | None:
         """The entry for this exact input, taken once: removed with its last sequence (its slot is free
@@ -185,5 +187,5 @@ class ParkedKV:
         self.entries.clear()
 
     def expire(self, version: int) -> None:
-        for key in [k for k, e in self.entries.items() if version - e.version > self.max_versions]:
+        for key in [k for k, e in self.entries.items() if not within_versions(version - e.version, self.max_versions)]:
             self.free.append(self.entries.pop(key).slot)

@@ -11,14 +11,14 @@ group without the interrupt when the next step has already been asked for: its o
 generating on the engines while the learner trains, and the next step continues them (`running`: the
 same calls, loads and step token), so the engines never stop while the driver keeps asking ahead. With no
 step asked after it, the rollout is as far ahead of the learner as the staleness bound lets it go, and
-the step interrupts and stores as usual (tokens generated meanwhile would be too old when trained). A step that is not asked to (the synchronous modes, and the overlapped mode's steps before a
-checkpoint and the last one) ends as above, and leaves nothing running.
+the step interrupts and stores as usual (tokens generated meanwhile would be too old when trained). A
+step that is not asked to (the synchronous modes, and the overlapped mode's steps before a checkpoint and
+the last one) ends as above, and leaves nothing running.
 
-The synchronous baseline (`rollout.schedule=sync`) is the same loop with N' = N, no top-up and no abort.
-`oversample` over-provisions as slime's rollout does without partial rollout (the APRIL paper's baseline): N' groups start the step, no top-up (but, as sync, a group per one the filter's drops
-leave missing from N), and at the N-th complete group the rest are aborted and discarded, with any
-surplus complete group (counted with the filter's drops in `num_dropped_groups`: taken, neither returned
-nor stored; `StepResult.discarded` names them). A failed step stores everything, as always.
+The schedule (`rollout.schedule`, april_ray/schedule.py) decides how many groups to start, whether a step
+may keep running, and whether the leftovers at the interrupt are stored or discarded (`oversample`: those
+are counted with the filter's drops in `num_dropped_groups`, taken, neither returned nor stored, and
+`StepResult.discarded` names them). A failed step stores everything, whatever the schedule.
 
 `CompletionMonitor` holds what lives across steps (engines' liveness, counters, the handles of finished
 samples whose groups wait in the store); everything about one step lives in a `StepState`, created when
@@ -38,9 +38,13 @@ from typing import Any, Awaitable, Protocol
 
 from april_ray.config import RolloutConfig, StalenessConfig
 from april_ray.engine.base import EngineFailure
+from april_ray.rollout.liveness import EngineLiveness
 from april_ray.rollout.over_sampling import build_over_sampling
 from april_ray.rollout.store import held
+from april_ray.rollout.step_metrics import batch_staleness, over_sampling_metrics, step_metrics
+from april_ray.rollout.step_order import StepOrder
 from april_ray.rollout.step_state import Call, EngineLoads, Flight, StepState
+from april_ray.schedule import build_schedule
 from april_ray.types import HeldGroup, SampleMeta, SampleState, StepResult
 
 
@@ -75,12 +79,15 @@ class CompletionMonitor:
         which of a batch's tokens the learner masks (what the auto N' observes, with the engines' occupancy)."""
         self.cfg = cfg
         self.staleness = staleness
+        self.schedule = build_schedule(cfg.schedule)
         self.over_sampling = build_over_sampling(cfg)
         """N': fixed, or adapted at the end of every step (april_ray/rollout/over_sampling.py)."""
         self.pool = pool
         self.source = source
         self.store = store
-        self.alive = [True] * len(pool.capacities)
+        self.engines = EngineLiveness(len(pool.capacities))
+        self.alive, self.heard_s = self.engines.alive, self.engines.heard_s
+        """The engines' liveness, and when each last returned a call (the lists `engines` keeps)."""
         self.run_id = uuid.uuid4().hex[:8]
         """Step tokens sent to engines are (run_id, step): unique even when another monitor reuses them."""
         self.num_returned_groups = 0
@@ -88,13 +95,6 @@ class CompletionMonitor:
         self.num_engine_crashes = 0
         self.token_rate = 0.0
         """Tokens per second per sequence in the last step's returned calls (the crash-loss estimate)."""
-        self._revived: asyncio.Event | None = None
-        self._liveness: asyncio.Event | None = None
-        """Set when an engine is lost or revived, or a step ends: what `dead_engines` waits on."""
-        self.last_step = -1
-        """The last step that ended (finished or failed)."""
-        self.heard_s = [0.0] * len(pool.capacities)
-        """When each engine last returned a call: it was alive then."""
         self.finished_handles: dict[str, Any] = {}
         """Sample id -> this monitor's handle of its finished result, for samples whose group went to
         the store unfinished: when the group comes back, the batch reuses the handle instead of making
@@ -102,11 +102,7 @@ class CompletionMonitor:
         self.finished_metas: dict[str, SampleMeta] = {}
         """Sample id -> its meta (as of no new tokens), for the same samples: the meta the store hands back
         beside its handle is of the same unchanged sample."""
-        self._turns: tuple[asyncio.AbstractEventLoop, asyncio.Condition] | None = None
-        self._asked: set[int] = set()
-        self._stepping = False
-        """Steps asked for and not yet returned; one runs at a time, the lowest first, and after a step that left
-        groups running only the one after it (`step`)."""
+        self.order = StepOrder()
         self.running: StepState | None = None
         """The last step's groups left running on the engines (`keep_running`): the next step goes on with them."""
 
@@ -142,21 +138,14 @@ class CompletionMonitor:
         self.finished_handles.clear()
         self.finished_metas.clear()
 
-    def dead(self) -> list[int]:
-        return [e for e, ok in enumerate(self.alive) if not ok]
-
     async def dead_engines(self, known: list[int], step: int) -> list[int]:
         """The engines now dead, as soon as that differs from `known`, or once `step` has ended: what the
         driver waits on to bring lost engines back (it learns of a death when the monitor does)."""
-        while self.dead() == list(known) and self.last_step < step:
-            self._liveness = self._liveness or asyncio.Event()
-            await self._liveness.wait()
-            self._liveness = None
-        return self.dead()
+        return await self.engines.changes(known, lambda: self.order.last_step >= step)
 
-    def _liveness_changed(self) -> None:
-        if self._liveness is not None:
-            self._liveness.set()
+    def revive(self, engines: list[int]) -> None:
+        """Take engines back (restarted, and holding the current weights): they get work again at once."""
+        self.engines.revive(engines)
 
     # -- one step ---------------------------------------------------------------------------------------
     async def step(self, step: int, version: int, keep_running: bool = False, after: int | None = None) -> StepResult:
@@ -167,24 +156,8 @@ class CompletionMonitor:
         and it begins the moment the one before it returns. `after`: a step asked just before this one, which
         runs first (an async actor may start two calls in either order; without it, a look-ahead step that
         arrived first would run first)."""
-        if self._turns is None or self._turns[0] is not asyncio.get_running_loop():  # tests use several loops
-            self._turns = (asyncio.get_running_loop(), asyncio.Condition())
-        turns = self._turns[1]
-        async with turns:
-            self._asked.add(step)
-            await turns.wait_for(lambda: not self._stepping and step == min(self._asked)
-                                 and (after is None or self.last_step >= after)
-                                 and (self.running is None or step == self.last_step + 1))
-            self._stepping = True
-        try:
+        async with self.order.turn(step, after, lambda: self.running is not None, self.engines.changed):
             return await self._step(step, version, keep_running)
-        finally:
-            self.last_step = max(self.last_step, step)
-            self._liveness_changed()
-            async with turns:
-                self._asked.discard(step)
-                self._stepping = False
-                turns.notify_all()
 
     async def _step(self, step: int, version: int, keep_running: bool) -> StepResult:
         t0 = self.clock()
@@ -202,7 +175,7 @@ class CompletionMonitor:
         failure = failure or await self._collect(s)
         # Groups keep running only into a step already asked for: one asked later would train their tokens
         # further past the staleness bound than the driver's look-ahead allows (driver/rollout.py).
-        keep_running = keep_running and any(later > step for later in self._asked)
+        keep_running = keep_running and self.schedule.keeps_running and self.order.asked_after(step)
         if failure is None and s.pending and not keep_running:  # N-th group complete: interrupt the rest
             t_nth = self.clock()
             s.abort_resends = await self._interrupt(s)
@@ -215,7 +188,8 @@ class CompletionMonitor:
 
     async def _collect(self, s: StepState) -> str | None:
         """Results in completion order until N groups are complete; returns why the step cannot finish."""
-        while len(s.completed) < self.cfg.rollout_batch_size and (s.pending or await self._engine_back(s)):
+        while len(s.completed) < self.cfg.rollout_batch_size and (
+                s.pending or (s.queue and await self.engines.one_back(self.cfg.engine_wait_s))):
             if not s.pending:
                 self._dispatch(s)
                 continue
@@ -229,26 +203,6 @@ class CompletionMonitor:
                     f"{self.cfg.engine_wait_s:g}s to finish the rollout")
         return None
 
-    async def _engine_back(self, s: StepState) -> bool:
-        """With work queued and every engine dead, wait for `revive`; False when none came back in time."""
-        if not s.queue:
-            return False
-        self._revived = asyncio.Event()  # made on the running loop (tests run steps on several loops)
-        if not any(self.alive):
-            try:
-                await asyncio.wait_for(self._revived.wait(), self.cfg.engine_wait_s)
-            except asyncio.TimeoutError:
-                return False
-        return True
-
-    def revive(self, engines: list[int]) -> None:
-        """Take engines back (restarted, and holding the current weights): they get work again at once."""
-        for e in engines:
-            self.alive[e] = True
-        if engines and self._revived is not None:
-            self._revived.set()
-        self._liveness_changed()
-
     @staticmethod
     def _call_error(s: StepState) -> str | None:
         return f"step {s.step}: an engine call failed: {s.call_errors[0]}" if s.call_errors else None
@@ -257,11 +211,8 @@ class CompletionMonitor:
         n = self.cfg.rollout_batch_size
         if len(s.completed) >= n:
             return 0
-        if self.cfg.schedule == "april":
-            return self.over_sampling.batch_size - s.num_incomplete
-        if self.cfg.schedule == "oversample" and not s.num_fresh + s.num_resumed:  # the step's start: over-provision
-            return self.over_sampling.batch_size - len(s.completed) - s.num_incomplete
-        return n - len(s.completed) - s.num_incomplete  # sync: only refill what the filter dropped
+        return self.schedule.num_to_start(n, self.over_sampling.batch_size, len(s.completed), s.num_incomplete,
+                                          started=bool(s.num_fresh + s.num_resumed))
 
     async def _top_up(self, s: StepState) -> str | None:
         """Fill the in-flight set back up to its target (store first) and dispatch; returns a failure."""
@@ -364,11 +315,9 @@ class CompletionMonitor:
         Ray reports a death about a second later), times its samples, times the per-sequence token rate of
         the calls this step returned (the last step's before any returned). A call sent to an engine that
         was already dead, or restarted without the current weights, adds nothing."""
-        if self.alive[call.engine]:
-            self.alive[call.engine] = False
+        if self.engines.lose(call.engine):
             s.engine_crashes += 1
             self.num_engine_crashes += 1
-            self._liveness_changed()
         rate = s.generated_tokens / s.sample_seconds if s.sample_seconds else self.token_rate
         s.crash_tokens_lost += len(call.indices) * rate * max(0.0, self.heard_s[call.engine] - call.sent_s)
 
@@ -407,13 +356,13 @@ class CompletionMonitor:
     async def _interrupt(self, s: StepState) -> int:
         """Abort every engine and wait until every outstanding call has resolved; returns re-sends."""
         s.queue.clear()  # undispatched samples stay as they are, in their groups
-        await self.pool.abort_all(s.token, [e for e, ok in enumerate(self.alive) if ok])
+        await self.pool.abort_all(s.token, self.engines.live())
         resends = 0
         while s.pending:
             done = await s.completions.wait(self.cfg.abort_resend_s)
             if not done:
                 resends += 1
-                await self.pool.abort_all(s.token, [e for e, ok in enumerate(self.alive) if ok])
+                await self.pool.abort_all(s.token, self.engines.live())
             for fut in done:
                 self._on_result(s, fut)
             s.queue.clear()
@@ -424,7 +373,7 @@ class CompletionMonitor:
         n = self.cfg.rollout_batch_size
         batch, surplus = s.completed[:n], s.completed[n:]
         t_store = self.clock()
-        keep = self.cfg.schedule != "oversample"  # the over-provisioned baseline keeps nothing for the next step
+        keep = self.schedule.keeps_leftovers
         discarded = [] if keep else s.partial_ids() + surplus
         running = surplus + s.partial_ids() if keep_running else []
         partial = [] if keep_running else await self._stash(s, surplus if keep else [], with_partial=keep)
@@ -433,8 +382,9 @@ class CompletionMonitor:
         metas = [list(s.flights[g].metas) for g in batch]
         staleness = batch_staleness(metas, s.version)
         wall = self.clock() - t0
-        metrics = self._metrics(s, metas, staleness, wall=wall, store_s=self.clock() - t_store)
-        metrics |= self._over_sampling_metrics(s, staleness, wall)
+        slots = sum(c for c, ok in zip(self.pool.capacities, self.alive) if ok)
+        metrics = step_metrics(s, metas, staleness, wall=wall, store_s=self.clock() - t_store)
+        metrics |= over_sampling_metrics(s, staleness, wall, slots, self.over_sampling.factor, self.staleness.trains)
         self.over_sampling.observe(metrics["rollout/occupancy"], metrics["rollout/masked_token_ratio"])
         metrics |= {"rollout/groups_surplus": len(surplus) if keep else 0, "rollout/groups_partial": len(partial),
                     "rollout/groups_running": len(running), "rollout/groups_discarded": len(discarded),
@@ -449,48 +399,6 @@ class CompletionMonitor:
         if keep_running:
             self.running = s.leaving(batch + list(s.dropped), surplus)
         return result
-
-    @staticmethod
-    def _metrics(s: StepState, metas, staleness: dict[int, int], wall: float, store_s: float) -> dict[str, float]:
-        trained = sum(m.response_len for ms in metas for m in ms)
-        num_samples = max(1, sum(map(len, metas)))
-        off_policy = sum(c for age, c in staleness.items() if age > 0)
-        return {
-            "rollout/wall_s": wall,
-            "rollout/abort_latency_s": s.abort_latency_s,
-            "rollout/abort_resends": s.abort_resends,
-            "rollout/start_s": s.start_s,
-            "rollout/store_s": store_s,
-            "rollout/generated_tokens": s.generated_tokens,
-            "rollout/trained_tokens": trained,
-            "rollout/effective_tok_s": trained / wall if wall > 0 else 0.0,
-            "rollout/generated_tok_s": s.generated_tokens / wall if wall > 0 else 0.0,
-            "rollout/off_policy_token_ratio": off_policy / max(1, trained),
-            "rollout/staleness_max": max((a for a, c in staleness.items() if c), default=0),
-            "rollout/versions_in_batch": sum(1 for c in staleness.values() if c),
-            "rollout/staleness_mean": sum(a * c for a, c in staleness.items()) / max(1, trained),
-            "rollout/groups_fresh": s.num_fresh,
-            "rollout/groups_resumed": s.num_resumed,
-            "rollout/episodes_resumed": s.num_episodes_resumed,
-            "rollout/env_tokens": sum(m.num_env_tokens for ms in metas for m in ms),
-            "rollout/groups_filtered": sum(r != "episode_error" for r in s.dropped.values()),
-            "rollout/episode_errors": len(s.episode_errors),
-            "rollout/groups_episode_error": sum(r == "episode_error" for r in s.dropped.values()),
-            "rollout/engine_crashes": s.engine_crashes,
-            "rollout/crash_tokens_lost": round(s.crash_tokens_lost),
-            "rollout/reward_mean": sum(m.reward for ms in metas for m in ms) / num_samples,
-            "rollout/response_len_mean": trained / num_samples,
-        }
-
-    def _over_sampling_metrics(self, s: StepState, staleness: dict[int, int], wall: float) -> dict[str, float]:
-        """The step's N'/N and what the auto N' observes: the samples held in engine calls (running, queued
-        at an engine, or finished and waiting for the call's other samples) averaged over the step, per slot
-        of the live engines; and the share of the batch's tokens the learner masks as stale."""
-        slots = sum(c for c, ok in zip(self.pool.capacities, self.alive) if ok)
-        masked = sum(c for age, c in staleness.items() if not self.staleness.trains(age))
-        return {"rollout/over_sampling_factor": self.over_sampling.factor,
-                "rollout/occupancy": s.sample_seconds / wall / slots if wall > 0 and slots else 0.0,
-                "rollout/masked_token_ratio": masked / max(1, sum(staleness.values()))}
 
     async def _fail(self, s: StepState, message: str) -> None:
         """Stop the step without losing a sample: abort and drain, store everything, then raise."""
@@ -524,13 +432,3 @@ class CompletionMonitor:
                     self.finished_handles[m.sample_id] = h
                     self.finished_metas[m.sample_id] = replace(m, num_new_tokens=0) if m.num_new_tokens else m
         return partial
-
-
-def batch_staleness(metas: list[list[SampleMeta]], version: int) -> dict[int, int]:
-    """Response tokens of the batch by age in policy versions."""
-    hist: dict[int, int] = {}
-    for ms in metas:
-        for m in ms:
-            for v, c in m.version_counts.items():
-                hist[version - v] = hist.get(version - v, 0) + c
-    return dict(sorted(hist.items()))

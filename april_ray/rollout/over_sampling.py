@@ -17,6 +17,7 @@ goal. N'/N stays within [1, rollout.over_sampling_max_factor]. The constants wer
 from __future__ import annotations
 
 from april_ray.config import RolloutConfig, over_sampling_batch_size
+from april_ray.schedule import build_schedule
 
 
 class FixedOverSampling:
@@ -86,9 +87,9 @@ class AdaptiveOverSampling:
 
 
 def build_over_sampling(cfg: RolloutConfig) -> FixedOverSampling | AdaptiveOverSampling:
-    """The N' of `cfg.schedule`: sync keeps N in flight; april and oversample keep N', fixed or auto."""
+    """The N' of `cfg.schedule`: N for a schedule that does not over-provision (sync); else N', fixed or auto."""
     n = cfg.rollout_batch_size
-    if cfg.schedule == "sync":
+    if not build_schedule(cfg.schedule).over_provisions:
         return FixedOverSampling(n, n)
     if cfg.over_sampling_batch_size == "auto":
         return AdaptiveOverSampling(n, cfg.over_sampling_max_factor)

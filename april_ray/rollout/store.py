@@ -19,9 +19,8 @@ from april_ray.types import FinishReason, Group, HeldGroup, Sample, SampleState
 
 
 class PartialRolloutStore:
-    def __init__(self, max_versions: int = StalenessConfig.max_versions, policy: str = StalenessConfig.policy):
-        self.max_versions = max_versions
-        self.policy = policy
+    def __init__(self, staleness: StalenessConfig = StalenessConfig()):
+        self.staleness = staleness
         self.partial: OrderedDict[str, Group] = OrderedDict()
         self.complete: list[Group] = []
         self.num_restarted_samples = 0
@@ -44,16 +43,20 @@ class PartialRolloutStore:
         groups = []
         while self.partial and len(groups) < max_groups:
             _, g = self.partial.popitem(last=False)
-            groups.append(self._restart_stale(g, version) if self.policy == "restart" else g)
+            groups.append(self._restart_stale(g, version))
         return groups
 
     def _restart_stale(self, group: Group, version: int) -> Group:
-        return replace(group, samples=[self._restarted(s, version) for s in group.samples])
+        if not any(self._stale(s, version) for s in group.samples):
+            return group
+        return replace(group, samples=[self._restarted(s) if self._stale(s, version) else s for s in group.samples])
 
-    def _restarted(self, s: Sample, version: int) -> Sample:
+    def _stale(self, s: Sample, version: int) -> bool:
+        """A partial sample the staleness policy restarts rather than resumes at `version`."""
         oldest = min(s.model_versions, default=version)
-        if s.state != SampleState.PARTIAL or version - oldest <= self.max_versions:
-            return s
+        return s.state == SampleState.PARTIAL and self.staleness.restarts(version - oldest)
+
+    def _restarted(self, s: Sample) -> Sample:
         self.num_restarted_samples += 1
         return replace(s, num_discarded_tokens=s.num_discarded_tokens + s.num_model_tokens, response_ids=[],
                        logprobs=[], versions=[], loss_mask=None, episode=None, state=SampleState.QUEUED)

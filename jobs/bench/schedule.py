@@ -82,7 +82,7 @@ class LocalMode:
         self.worker = build_worker(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, model_path)
         self.source = PromptSource(train_examples, encode, r.n_samples_per_prompt, cfg.sampling.max_response_len,
                                    cfg.task.seed)
-        self.store = PartialRolloutStore(max_versions=cfg.staleness.max_versions, policy=cfg.staleness.policy)
+        self.store = PartialRolloutStore(cfg.staleness)
         self.rollout = CompletionMonitor(r, LocalPool([self.worker], [cfg.engine.max_num_seqs]),
                                          LocalProxy(self.source), LocalProxy(self.store), cfg.staleness)
         self.log = StepLog(r.n_samples_per_prompt)

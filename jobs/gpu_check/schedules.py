@@ -66,7 +66,7 @@ class Mode:
         examples, encode = prompts
         self.source = DrawnLengthSource(examples, encode, rollout.n_samples_per_prompt, budget,
                                         simulate_defaults().seed, lengths)
-        self.store = PartialRolloutStore(max_versions=PAPER_STALENESS.max_versions, policy=PAPER_STALENESS.policy)
+        self.store = PartialRolloutStore(PAPER_STALENESS)
         self.monitor = CompletionMonitor(rollout, LocalPool([self.worker], [cap]), LocalProxy(self.source),
                                          LocalProxy(self.store), PAPER_STALENESS)
         self.log = StepLog(rollout.n_samples_per_prompt)
