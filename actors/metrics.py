@@ -5,10 +5,11 @@ an engine actor (occupancy, idle share, tokens/s, token counters, policy version
 its statistics after a rollout, the store actor (its partial groups, its oldest sample) when asked for
 its statistics, the monitor actor (abort latency, off-policy ratio, staleness of the trained batch, engine
 crashes) after each rollout, and the driver's `MetricsActor` (step phase times, reward, held-out accuracy,
-steps): a worker process of the cluster exports at its node's interval, which a driver started from any
-shell need not share. Every Ray node serves them on its metrics export port with Ray's `ray_` prefix
-(`ray_april_engine_occupancy`, ...); cluster/grafana/april_dashboard.json charts them (cluster/README.md).
-`mode` is `april` or `sync`.
+steps, and the learner's train-inference mismatch by token age): a worker process of the cluster exports at
+its node's interval, which a driver started from any shell need not share. Every Ray node serves them on its
+metrics export port with Ray's `ray_` prefix (`ray_april_engine_occupancy`, ...);
+cluster/grafana/april_dashboard.json charts them (cluster/README.md). `mode` is `april` or `sync`; `age` is a
+token's age in policy versions (`all`: every age).
 
 Ray's metrics agent drops a gauge value that was not set again within two export intervals
 (`RAY_metrics_report_interval_ms`), and a process exports only the values set since its last export: a
@@ -57,6 +58,10 @@ METRICS = {  # name: (kind, tag keys, description)
     "april_idle_fraction": (Gauge, ("role",), "Idle share of the job's wall time so far: engines (1 - busy seconds / engines x wall) or learner (1 - training and weight-sending seconds / wall)"),
     "april_step": (Gauge, (), "Training steps completed (the step index: a resumed job goes on from its checkpoint)"),
     "april_steps_total": (Counter, (), "Training steps completed by this job since it started"),
+    "april_mismatch_log_ratio": (Gauge, ("age",), "Mean log(pi_learner / pi_rollout) over the last trained batch's tokens, by age in policy versions (all: every age)"),
+    "april_mismatch_kl": (Gauge, ("age", "estimator"), "KL(pi_rollout || pi_learner) of the last trained batch's tokens by age, estimated by k1, k2 and k3"),
+    "april_mismatch_correction_share": (Gauge, ("age", "correction"), "Share of the last batch's trained tokens that each correction (tis, icepop, seq_mask_tis) masks or clips, by age"),
+    "april_mismatch_tokens_total": (Counter, ("age",), "Tokens of the trained batches by age in policy versions (the mismatch metrics' counts)"),
 }
 BOUNDARIES = {"april_abort_latency_seconds": ABORT_LATENCY_S,
               "april_trained_token_staleness_versions": STALENESS_VERSIONS}
@@ -92,6 +97,12 @@ class Held:
 
     def __init__(self, gauge: Gauge):
         self.gauge = gauge
+
+    def forget(self, **match) -> None:
+        """Stops setting again this gauge's values whose tags include `match` (Ray's agent then drops them)."""
+        with Held._lock:
+            for key in [k for k in Held._values if k[0] is self and match.items() <= dict(k[1]).items()]:
+                del Held._values[key]
 
     def set(self, value: float, tags: dict | None = None) -> None:
         self.gauge.set(value, tags=tags)
@@ -224,9 +235,21 @@ class MonitorMetrics:
         self.alive = list(alive)
 
 
+def mismatch_by_age(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Age label -> {field: value} from a step row's `mismatch/age{a}/{field}` keys (the learner's
+    `MismatchTally`), and "all" from its `mismatch/{field}` ones."""
+    rows: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        parts = key.split("/")
+        if parts[0] == "mismatch":
+            age, name = (parts[1].removeprefix("age"), parts[2]) if len(parts) == 3 else ("all", parts[1])
+            rows.setdefault(age, {})[name] = value
+    return rows
+
+
 class StepMetrics:
-    """The driver's metrics, in `MetricsActor`: phase times, reward and step after each step, accuracy after
-    each evaluation."""
+    """The driver's metrics, in `MetricsActor`: phase times, reward, the train-inference mismatch by token age
+    and step after each step, accuracy after each evaluation."""
 
     PHASES = ("rollout", "learner", "weight_sync", "eval")
 
@@ -239,9 +262,14 @@ class StepMetrics:
         self.accuracy = metric("april_eval_accuracy")
         self.step = metric("april_step")
         self.steps = metric("april_steps_total", zeros=({},))
+        self.log_ratio = metric("april_mismatch_log_ratio")
+        self.kl = metric("april_mismatch_kl")
+        self.correction_share = metric("april_mismatch_correction_share")
+        self.mismatch_tokens = metric("april_mismatch_tokens_total", zeros=({"age": "0"},))  # older ages: once seen
+        self.ages: set[str] = set()
 
     def record_step(self, steps_done: int, phases: dict[str, float], metrics: dict[str, float]) -> None:
-        """`metrics`: the step's row (its reward and the job's idle shares are exported)."""
+        """`metrics`: the step's row (its reward, the job's idle shares and its `mismatch/` keys are exported)."""
         for phase in self.PHASES:  # a phase that did not run this step is 0: the stack is the step's time
             self.phase.set(phases.get(phase, 0.0), tags={"phase": phase})
             if phases.get(phase, 0.0) > 0:
@@ -249,8 +277,25 @@ class StepMetrics:
         self.reward.set(metrics["rollout/reward_mean"], tags=self.mode)
         for role in ("engine", "learner"):
             self.idle.set(metrics[f"job/{role}_idle_fraction"], tags={"role": role})
+        self.record_mismatch(mismatch_by_age(metrics))
         self.step.set(steps_done)
         self.steps.inc(1)
+
+    def record_mismatch(self, rows: dict[str, dict[str, float]]) -> None:
+        """This step's ages; an age the step's batch no longer has leaves the gauges (it is not held)."""
+        for age, row in rows.items():
+            self.log_ratio.set(row["log_ratio_mean"], tags={"age": age})
+            for estimator in ("k1", "k2", "k3"):
+                self.kl.set(row[estimator], tags={"age": age, "estimator": estimator})
+            for key, share in row.items():
+                if key.endswith("_share"):
+                    self.correction_share.set(share, tags={"age": age, "correction": key.removesuffix("_share")})
+            if age != "all" and row["num_tokens"] > 0:
+                self.mismatch_tokens.inc(row["num_tokens"], tags={"age": age})
+        for age in self.ages - set(rows):
+            for gauge in (self.log_ratio, self.kl, self.correction_share):
+                gauge.forget(age=age)
+        self.ages = set(rows)
 
     def record_eval(self, metrics: dict) -> None:
         for kind in ("t1", "greedy"):
@@ -270,7 +315,8 @@ class DriverMetrics:
 
     def record_step(self, steps_done: int, phases: dict[str, float], metrics: dict[str, float]) -> None:
         keep = ("rollout/reward_mean", "job/engine_idle_fraction", "job/learner_idle_fraction")
-        self.actor.record_step.remote(steps_done, dict(phases), {k: metrics[k] for k in keep})
+        exported = {k: v for k, v in metrics.items() if k in keep or k.startswith("mismatch/")}
+        self.actor.record_step.remote(steps_done, dict(phases), exported)
 
     def record_eval(self, metrics: dict) -> None:
         self.actor.record_eval.remote({k: v for k, v in metrics.items() if k.startswith("eval/accuracy_")})

@@ -18,9 +18,8 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-class ConfigError(ValueError):
-    pass
+from april_ray.errors import ConfigError  # noqa: F401  (raised here, imported from here by callers)
+from april_ray.schedule import SCHEDULES
 
 
 def default_cache_dir() -> str:
@@ -42,6 +41,11 @@ def non_negative(default):
 
 def one_of(default, *choices):
     return _rule(default, "one of " + ", ".join(map(str, choices)), lambda v: v in choices)
+
+
+def _is_band(v) -> bool:
+    """Two numbers, low <= 1 <= high, low >= 0 (a band without 1 would mask on-policy tokens; NaN fails)."""
+    return len(v) == 2 and all(isinstance(x, (int, float)) for x in v) and 0 <= v[0] <= 1 <= v[1]
 
 
 def probability(default):
@@ -92,10 +96,10 @@ class LengthConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = one_of("countdown", "countdown", "math", "lookup_countdown")
-    """countdown: the embedded synthetic task. math: answers checked with math-verify (needs train_path).
-    lookup_countdown: the embedded agent task, countdowns from values a tool looks up
-    (april_ray/task/lookup_countdown.py; its episode function is rollout.episode_fn)."""
+    name: str = "countdown"
+    """A task of april_ray/task/registry.py. countdown: the embedded synthetic task. math: answers checked with
+    math-verify (needs train_path). lookup_countdown: the embedded agent task, countdowns from values a tool
+    looks up (april_ray/task/lookup_countdown.py; its episode function is rollout.episode_fn)."""
     train_path: str = ""
     """JSONL or Parquet with prompt and answer fields. Empty: generate the countdown task in cache_dir."""
     eval_path: str = ""
@@ -234,7 +238,7 @@ class RolloutConfig:
     over_sampling_max_factor: float = _rule(4.0, ">= 1", lambda v: v >= 1)
     """auto: the largest N'/N it may choose."""
     n_samples_per_prompt: int = positive(8)
-    schedule: str = one_of("april", "april", "sync", "oversample")
+    schedule: str = one_of("april", *SCHEDULES)
     """april: over-provision N' groups, interrupt once N are complete, recycle the unfinished ones next step.
     sync: the synchronous baseline, N groups in flight, nothing interrupted. oversample: slime's rollout
     without partial rollout (the APRIL paper's baseline): N' groups start the step, and once N are complete
@@ -271,9 +275,16 @@ def over_sampling_batch_size(factor: float, rollout_batch_size: int) -> int:
     return max(rollout_batch_size, round(factor * rollout_batch_size))
 
 
+def within_versions(age, max_versions: int):
+    """The one staleness rule: what policy version v computed (a token, a parked KV cache) is within a bound
+    of `max_versions` while the policy is at most v + max_versions. `age` is an int, or a tensor of ages."""
+    return age <= max_versions
+
+
 @dataclass
 class StalenessConfig:
-    """The one bound on how old (in policy versions) the tokens of a partial sample may get."""
+    """The one bound on how old (in policy versions) the tokens of a partial sample may get. The store, the
+    learner's loss mask and the engines' parked KV caches ask it (`restarts`, `trains`, `kv_max_versions`)."""
 
     max_versions: int = non_negative(4)
     """A token sampled by policy version v is stale once the policy being trained is past v + max_versions."""
@@ -287,9 +298,20 @@ class StalenessConfig:
     of the few masked ones, while restart throws whole samples away and can restart a response longer
     than the bound's worth of steps forever (docs/architecture.md, "The life of a sample")."""
 
-    def trains(self, age: int) -> bool:
-        """Whether the learner trains a token sampled `age` versions ago (`keep` trains every token)."""
-        return self.policy == "keep" or age <= self.max_versions
+    def trains(self, age):
+        """Whether the learner trains a token sampled `age` versions ago (`keep` trains every token); for a
+        tensor of ages, a tensor of booleans (or True under `keep`)."""
+        return self.policy == "keep" or within_versions(age, self.max_versions)
+
+    def restarts(self, age: int) -> bool:
+        """Whether the store restarts a partial sample from its prompt, its oldest token `age` versions old
+        when it would resume."""
+        return self.policy == "restart" and not within_versions(age, self.max_versions)
+
+    def kv_max_versions(self, reuse_stale_kv: bool) -> int:
+        """How many versions old a parked KV cache may be and still be reused (engine.reuse_stale_kv); 0:
+        only a cache of the current weights."""
+        return self.max_versions if reuse_stale_kv else 0
 
     def oldest_trained(self, hist: dict[int, int]) -> int:
         """Age in versions of the oldest token the learner trains, from a batch's tokens by age
@@ -310,7 +332,19 @@ class AlgorithmConfig:
     kl_coef: float = non_negative(0.0)
     """Weight of k3 KL to the reference model (the warm-up policy); 0 loads no reference model."""
     tis_cap: float = non_negative(2.0)
-    """Truncated importance sampling: per-token weight min(pi_old / pi_behaviour, tis_cap); 0 disables."""
+    """Truncated importance sampling's cap (corrections tis and seq_mask_tis): per-token weight
+    min(pi_old / pi_behaviour, tis_cap); 0: weight 1."""
+    correction: str = one_of("tis", "tis", "icepop", "seq_mask_tis", "none")
+    """How the behaviour policy's tokens weigh in the loss, by r = pi_old / pi_behaviour per token
+    (april_ray/learn/corrections.py): tis, min(r, tis_cap); icepop, r inside correction_band and 0 outside;
+    seq_mask_tis, 0 for every token of a sequence whose geometric mean of r is outside correction_band and
+    min(r, tis_cap) inside; none, 1. A token weighted 0 still counts in the loss's mean."""
+    correction_band: list[float] = field(default_factory=lambda: [0.5, 2.0],
+                                         metadata={"rule": ("[low, high] with 0 <= low <= 1 <= high", _is_band)})
+    """[low, high] of r (icepop) or of a sequence's geometric mean of r (seq_mask_tis). One band for both,
+    as OpenRLHF and NeMo-RL have: symmetric in log space (|log r| <= log 2), its top tis_cap's default, so tis,
+    icepop and seq_mask_tis differ only in what they do outside one trust region. A geometric mean averages
+    a sequence's noise away: seq_mask_tis at this band masks only a sequence whose mean log r passes log 2."""
     overlong_buffer: int = non_negative(0)
     """DAPO overlong shaping: penalise the last this-many tokens of the budget linearly down to -1; 0 disables."""
 
@@ -484,6 +518,14 @@ def _check_across(cfg: Config) -> None:
     _check_engines(cfg)
     _check_learner_and_rollout(cfg)
     _check_overlap(cfg)
+    _check_algorithm(cfg.algorithm)
+
+
+def _check_algorithm(algo: AlgorithmConfig) -> None:
+    if algo.name == "gspo" and algo.correction == "icepop":
+        raise ConfigError("algorithm.correction: icepop masks single tokens, and GSPO weighs a sequence by the "
+                          "geometric mean of its tokens' weights (one masked token would scale it by 1e-8 to the "
+                          "power 1/length); with algorithm.name=gspo use seq_mask_tis, tis or none")
 
 
 def _check_overlap(cfg: Config) -> None:
@@ -494,7 +536,7 @@ def _check_overlap(cfg: Config) -> None:
     if cfg.placement.colocate:
         raise ConfigError("train.overlap: a colocated layout (placement.colocate=true) trains on the engines' "
                           "devices, so the two cannot run at once; set placement.colocate=false or train.overlap=false")
-    if cfg.rollout.schedule != "april":
+    if not SCHEDULES[cfg.rollout.schedule].keeps_running:
         raise ConfigError(f"train.overlap: keeps APRIL's unfinished groups running across steps; needs "
                           f"rollout.schedule=april, got {cfg.rollout.schedule}")
     if cfg.staleness.max_versions < 1 and cfg.staleness.policy != "keep":
@@ -525,8 +567,11 @@ def _check_task(cfg: Config) -> None:
             raise ConfigError(f"eval.datasets.{name}: a name of letters, digits, - and _ (it names the metrics)")
         if not dataset.path:
             raise ConfigError(f"eval.datasets.{name}.path: required (a JSONL or Parquet file)")
-    if cfg.task.name == "math" and not cfg.task.train_path:
-        raise ConfigError("task.train_path: the math task needs a dataset file")
+    try:  # a name of april_ray/task/registry.py (imported here: the engines import config.py, never a task)
+        from april_ray.task.registry import get_task
+        get_task(cfg.task.name).check(cfg.task)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_engines(cfg: Config) -> None:
@@ -565,9 +610,9 @@ def _check_learner_and_rollout(cfg: Config) -> None:
         raise ConfigError("learner.num_ranks: colocation puts each rank in an engine's bundle; "
                           "needs learner.num_ranks <= engine.num_engines")
     r = cfg.rollout
-    if r.over_sampling_batch_size == "auto" and r.schedule == "oversample":
-        raise ConfigError("rollout.over_sampling_batch_size: auto adapts APRIL's N' (rollout.schedule=april); "
-                          "the oversample baseline takes an integer")
+    error = SCHEDULES[r.schedule].config_error(r)
+    if error:
+        raise ConfigError(error)
     if r.over_sampling_batch_size != "auto" and r.over_sampling_batch_size < r.rollout_batch_size:
         raise ConfigError(f"rollout.over_sampling_batch_size: must be >= rollout.rollout_batch_size "
                           f"({r.over_sampling_batch_size} < {r.rollout_batch_size})")

@@ -1,6 +1,6 @@
 """The curves of one or more runs from their `metrics.jsonl`, without a server: reward, held-out accuracy,
-tokens/s, step time by phase, off-policy share and staleness, by step (left) and by wall time (right),
-one colour per run.
+tokens/s, step time by phase, off-policy share and staleness, and the train-inference mismatch by token age
+(when the rows have it), by step (left) and by wall time (right), one colour per run.
 
     python -m jobs.plot RUN_DIR [RUN_DIR ...] --png PATH
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 
 # (title, [(key, line style, label suffix)]): each key is drawn where a row has it
@@ -25,6 +26,28 @@ PANELS = [
     ("off-policy share of trained tokens", [("off_policy/token_ratio", "-", "")]),
     ("staleness (policy versions)", [("rollout/staleness_mean", "-", " mean"), ("rollout/staleness_max", ":", " max")]),
 ]
+
+
+MISMATCH_AGE = re.compile(r"^mismatch/age(\d+)/")
+AGE_STYLES = ["--", ":", "-.", ".-", "x--", "+:"]
+
+
+def mismatch_panels(runs: list[tuple[str, list[dict]]]) -> list:
+    """The learner's `mismatch/` curves: k3 and the mean log-ratio over every age and by each token age any run
+    has (line styles cycle over the ages), and the share of trained tokens each correction masks or clips."""
+    ages = sorted({int(m.group(1)) for _, rows in runs for r in rows for k in r if (m := MISMATCH_AGE.match(k))})
+    if not ages:
+        return []
+
+    def by_age(field: str) -> list:
+        return [(f"mismatch/{field}", "-", " all")] + [
+            (f"mismatch/age{a}/{field}", AGE_STYLES[i % len(AGE_STYLES)], f" age {a}") for i, a in enumerate(ages)]
+
+    return [("mismatch KL(rollout || learner), k3, by token age", by_age("k3")),
+            ("mismatch: mean log(pi_learner / pi_rollout) by token age", by_age("log_ratio_mean")),
+            ("trained tokens masked or clipped, all ages", [
+                ("mismatch/tis_share", "-", " tis clips"), ("mismatch/icepop_share", "--", " icepop masks"),
+                ("mismatch/seq_mask_tis_share", ":", " seq_mask_tis masks")])]
 
 
 def read_rows(run_dir: Path) -> list[dict]:
@@ -71,8 +94,9 @@ def plot(run_dirs: list[Path], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = [(name, with_wall_time(read_rows(d))) for name, d in zip(run_names(run_dirs), run_dirs)]
-    fig, axes = plt.subplots(len(PANELS), 2, figsize=(13, 3.1 * len(PANELS)), squeeze=False)
-    for row, (title, keys) in enumerate(PANELS):
+    panels = PANELS + mismatch_panels(runs)
+    fig, axes = plt.subplots(len(panels), 2, figsize=(13, 3.1 * len(panels)), squeeze=False)
+    for row, (title, keys) in enumerate(panels):
         for col, (x_key, x_label) in enumerate((("step", "step"), ("time/wall_s", "wall time (min)"))):
             ax = axes[row][col]
             for i, (name, rows) in enumerate(runs):

@@ -4,7 +4,9 @@ import math
 import pytest
 import torch
 
+from april_ray.config import StalenessConfig
 from april_ray.learn import algorithms as algo
+from april_ray.learn.corrections import TruncatedIS
 
 
 def test_group_advantages_by_hand():
@@ -67,13 +69,15 @@ def test_truncated_importance_sampling_and_staleness_mask():
     behaviour = torch.log(torch.tensor([[0.5, 0.1, 0.25]]))  # ratios 1, 5, 2
     versions = torch.tensor([[3, 1, 2]])
     mask = torch.ones(1, 3)
-    w, keep, m = algo.off_policy_weights(old, behaviour, versions, 3, mask, tis_cap=2.0, max_versions=1, policy="mask")
+    w, keep, m = algo.off_policy_weights(old, behaviour, versions, 3, mask, correction=TruncatedIS(2.0),
+                                         staleness=StalenessConfig(max_versions=1, policy="mask"))
     torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, 2.0]]))
     torch.testing.assert_close(keep, torch.tensor([[1.0, 0.0, 1.0]]))  # age 2 > 1: masked
     assert m["off_policy/token_ratio"] == pytest.approx(2 / 3)
     assert m["off_policy/staleness_max"] == 2 and m["off_policy/staleness_mean"] == pytest.approx(1.0)
     assert m["off_policy/is_truncated_ratio"] == pytest.approx(1 / 3)
-    w_off, keep_off, _ = algo.off_policy_weights(old, behaviour, versions, 3, mask, tis_cap=0, max_versions=1, policy="keep")
+    w_off, keep_off, _ = algo.off_policy_weights(old, behaviour, versions, 3, mask, correction=TruncatedIS(0),
+                                                 staleness=StalenessConfig(max_versions=1, policy="keep"))
     assert torch.equal(w_off, torch.ones(1, 3)) and torch.equal(keep_off, mask)
 
 
@@ -92,8 +96,8 @@ def test_decoupled_ppo_by_hand_clip_higher_acts_and_behaviour_enters_as_a_trunca
     old = torch.zeros(1, 2)
     behaviour = torch.tensor([[-1.0, 0.5]])
     mask = torch.ones(1, 2)
-    w, keep, _ = algo.off_policy_weights(old, behaviour, torch.zeros(1, 2, dtype=torch.long), 0, mask, tis_cap=2.0,
-                                         max_versions=0, policy="keep")
+    w, keep, _ = algo.off_policy_weights(old, behaviour, torch.zeros(1, 2, dtype=torch.long), 0, mask,
+                                         correction=TruncatedIS(2.0), staleness=StalenessConfig(max_versions=0, policy="keep"))
     torch.testing.assert_close(w, torch.tensor([[2.0, math.exp(-0.5)]]))
     pos = algo.token_policy_loss(logp, old, torch.tensor([1.0]), keep, w, 0.2, 0.28, "token_mean")
     # A > 0: the first token is clipped at 1.28 (no gradient), the second keeps its ratio

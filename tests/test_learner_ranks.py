@@ -25,7 +25,8 @@ def _rank(rank: int, world: int, port: int, model_dir: str, stage: int, out: dic
                       finish_reason=FinishReason.STOP, reward=float(i % 2)) for i, n in enumerate(lengths)]
     own = learner.micro_batches(samples)[1]
     metrics = learner.train_step(samples, version=0)
-    out[rank] = {"own": own, "num_micro_batches": metrics["train/num_micro_batches"]}
+    out[rank] = {"own": own, "num_micro_batches": metrics["train/num_micro_batches"],
+                 "mismatch": {k: v for k, v in metrics.items() if k.startswith("mismatch/")}}
 
 
 @pytest.mark.timeout(300)
@@ -34,6 +35,8 @@ def test_ranks_with_different_micro_batch_counts_step_together(random_model_dir,
     results = run_ranks(_rank, 2, str(random_model_dir), stage)
     assert results[0]["own"] < results[1]["own"], results  # the case under test: the cuts differ
     assert [results[r]["num_micro_batches"] for r in range(2)] == [results[r]["own"] for r in range(2)]
+    # the mismatch by token age is summed over the ranks: each returns the whole batch's, the same keys
+    assert results[0]["mismatch"] == results[1]["mismatch"] and results[0]["mismatch"]["mismatch/num_tokens"] == 32 + 58
 
 
 def _grad_rank(rank: int, world: int, port: int, model_dir: str, aggregation: str, out: dict) -> None:

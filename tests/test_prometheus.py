@@ -79,3 +79,26 @@ def test_crashes_read_zero_from_the_start(watched_job):
     for labels, values in crashes:
         assert values[0][0] < step[1][0][0], f"engine {labels['engine']}'s crash counter came after the first step"
         assert {v for _, v in values} == {0.0}
+
+
+def test_the_mismatch_by_token_age_comes_back_as_metrics_jsonl_has_it(watched_job):
+    """The learner's train-inference mismatch (`mismatch/` keys) reaches Prometheus through the dashboard's
+    panels: k3 of the tokens of age 0 (every token of this run: no partial rollout) at every step as
+    metrics.jsonl has it, the share of trained tokens each correction masks or clips, and the tokens by age."""
+    rows = step_rows(watched_job)
+
+    def series(title_start: str, label: str) -> dict[str, list[float]]:
+        return {r["metric"][label]: distinct([(float(t), float(v)) for t, v in r["values"]])
+                for (title, _), result in watched_job.panels.items() if title.startswith(title_start) for r in result}
+
+    kl = series("KL(rollout || learner) by token age", "age")
+    assert {"0", "all"} <= set(kl), sorted(kl)
+    per_step = distinct([(0, r["mismatch/age0/k3"]) for r in rows])
+    assert kl["0"] == pytest.approx(per_step, rel=1e-6, abs=1e-12), (kl["0"], per_step)
+    assert kl["all"][-1] == pytest.approx(rows[-1]["mismatch/k3"], rel=1e-6, abs=1e-12)
+    log_ratio = series("Mean log-ratio", "age")
+    assert log_ratio["0"][-1] == pytest.approx(rows[-1]["mismatch/age0/log_ratio_mean"], rel=1e-6, abs=1e-12)
+    shares = series("Trained tokens each correction masks or clips", "correction")
+    assert set(shares) == {"tis", "icepop", "seq_mask_tis"}
+    assert shares["icepop"][-1] == pytest.approx(rows[-1]["mismatch/icepop_share"], abs=1e-9)
+    assert set(series("Trained-batch tokens by age", "age")) == {"0"}

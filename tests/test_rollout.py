@@ -259,7 +259,7 @@ def test_store_staleness_restart_and_keep():
                    versions=versions, state=SampleState.PARTIAL)
         return Group("g", 0, [s])
 
-    store = PartialRolloutStore(max_versions=2, policy="restart")
+    store = PartialRolloutStore(StalenessConfig(max_versions=2, policy="restart"))
     store.put_partial([group([1, 1, 3])])
     [g] = store.take_partial(5, version=4)  # 4 - 1 > 2: restarted from the prompt
     s = g.samples[0]
@@ -267,7 +267,7 @@ def test_store_staleness_restart_and_keep():
     store.put_partial([group([2, 3])])
     [g] = store.take_partial(5, version=4)  # 4 - 2 = 2: within the bound, resumed as is
     assert g.samples[0].response_ids == [7, 7]
-    keep = PartialRolloutStore(max_versions=0, policy="keep")
+    keep = PartialRolloutStore(StalenessConfig(max_versions=0, policy="keep"))
     keep.put_partial([group([0])])
     assert keep.take_partial(1, version=9)[0].samples[0].versions == [0]
 
@@ -275,7 +275,7 @@ def test_store_staleness_restart_and_keep():
 def test_store_hands_out_oldest_first():
     from april_ray.types import Group, Sample
 
-    store = PartialRolloutStore(max_versions=5)
+    store = PartialRolloutStore(StalenessConfig(max_versions=5))
     for i in range(4):
         s = Sample(f"g{i}/0", f"g{i}", "p", "a", [1], 10, response_ids=[7], logprobs=[0.0], versions=[0],
                    state=SampleState.PARTIAL)
@@ -425,6 +425,7 @@ def test_mask_bounds_every_trained_token_also_finished_members_and_surplus():
     batch is trained at) drops exactly the tokens older than the bound: also those of finished samples
     that waited in the store for their group's siblings, which no store policy restarts."""
     from april_ray.learn.algorithms import off_policy_weights
+    from april_ray.learn.corrections import TruncatedIS
     from april_ray.learn.learner import collate
 
     bound = 1
@@ -436,7 +437,8 @@ def test_mask_bounds_every_trained_token_also_finished_members_and_surplus():
         samples = returned_samples(r)
         batch = collate(samples, pad_id=0)
         _, keep, _ = off_policy_weights(batch["behaviour_logp"], batch["behaviour_logp"], batch["versions"], r.step,
-                                        batch["mask"], tis_cap=2.0, max_versions=bound, policy="mask")
+                                        batch["mask"], correction=TruncatedIS(2.0),
+                                        staleness=StalenessConfig(max_versions=bound, policy="mask"))
         age = (r.step - batch["versions"]) * batch["mask"]
         assert not (keep * (age > bound)).any()  # nothing older than the bound is trained
         assert (keep == batch["mask"] * (age <= bound)).all()  # and everything within it is
@@ -450,6 +452,7 @@ def test_trained_staleness_max_and_the_mask_per_policy_by_hand():
     import torch
 
     from april_ray.learn.algorithms import off_policy_weights
+    from april_ray.learn.corrections import TruncatedIS
 
     hist = {0: 10, 2: 5, 4: 3, 7: 1, 9: 0}
     def trained_max(h, bound, policy="mask"):
@@ -464,7 +467,8 @@ def test_trained_staleness_max_and_the_mask_per_policy_by_hand():
     versions = torch.tensor([[5, 5, 7, 8, 0], [2, 3, 6, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.float)
     logp = torch.zeros(2, 5)
-    _, keep, m = off_policy_weights(logp, logp, versions, 8, mask, tis_cap=2.0, max_versions=2, policy="mask")  # trained at version 8, bound 2
+    _, keep, m = off_policy_weights(logp, logp, versions, 8, mask,  # trained at version 8, bound 2
+                                    correction=TruncatedIS(2.0), staleness=StalenessConfig(max_versions=2, policy="mask"))
     assert keep.tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 0, 0]]  # ages 3 3 1 0 | 6 5 2
     assert m["off_policy/masked_token_ratio"] == pytest.approx(4 / 7)
 

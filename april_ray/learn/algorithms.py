@@ -6,8 +6,9 @@ All tensors are padded [B, T] over response tokens with a 0/1 `mask`. Three logp
 - `behaviour_logp`: what the engine sampled with, recorded per token. For a partial rollout it can be
   several versions older than pi_old (recomputing it with the current policy would treat stale tokens
   as on-policy).
-Truncated importance sampling multiplies each token's loss by min(pi_old / pi_behaviour, tis_cap); tokens
-more than `max_versions` versions old are masked out instead, unless the staleness policy is `keep`. Both act on the per-token versions.
+The off-policy correction (`corrections.py`; by default truncated IS, min(pi_old / pi_behaviour, tis_cap))
+weighs each token's loss; tokens more than `max_versions` versions old are masked out instead, unless the
+staleness policy is `keep`. Both act on the per-token versions.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from april_ray.config import AlgorithmConfig
+from april_ray.config import AlgorithmConfig, StalenessConfig
 
 
 @dataclass
@@ -42,15 +43,14 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def off_policy_weights(old_logp, behaviour_logp, versions, version, mask, *, tis_cap: float, max_versions: int,
-                       policy: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """(per-token weights, updated mask, metrics) from the engine's behaviour logprobs and versions."""
+def off_policy_weights(old_logp, behaviour_logp, versions, version, mask, *, correction,
+                       staleness: StalenessConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """(per-token weights, updated mask, metrics) from the engine's behaviour logprobs and versions; the
+    mask keeps the tokens `staleness` trains. `correction` (corrections.py) weighs those by pi_old / pi_behaviour."""
     age = (version - versions) * mask
-    keep = mask.clone()
-    if policy != "keep":
-        keep = keep * (age <= max_versions)
+    keep = mask * staleness.trains(age)
     ratio = torch.exp(old_logp - behaviour_logp)
-    weights = torch.clamp(ratio, max=tis_cap) if tis_cap > 0 else torch.ones_like(ratio)
+    corrected = correction(old_logp - behaviour_logp, keep)
     n = mask.sum().clamp(min=1)
     metrics = {
         "off_policy/token_ratio": float(((age > 0) * mask).sum() / n),
@@ -59,9 +59,10 @@ def off_policy_weights(old_logp, behaviour_logp, versions, version, mask, *, tis
         "off_policy/masked_token_ratio": float((mask - keep).sum() / n),
         "off_policy/is_weight_mean": float(masked_mean(ratio, mask)),
         "off_policy/is_weight_max": float((ratio * mask).max()) if mask.any() else 0.0,
-        "off_policy/is_truncated_ratio": float(((ratio > tis_cap) * mask).sum() / n) if tis_cap > 0 else 0.0,
+        "off_policy/is_truncated_ratio": float((corrected.clipped * mask).sum() / n),
+        "off_policy/correction_masked_ratio": float((corrected.masked * keep).sum() / n),
     }
-    return weights.detach(), keep, metrics
+    return corrected.weights.detach(), keep, metrics
 
 
 def _clip_metrics(ratio, adv, mask, low, high) -> dict[str, float]:

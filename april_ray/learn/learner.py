@@ -7,7 +7,9 @@
   away from 1 from the second mini-batch on. With one mini-batch pi_old is the current policy detached
   (no extra forward): the ratio is 1 and the clip never acts, as in one-step GRPO.
 - the behaviour policy (the engines' recorded logprobs, possibly several versions old for partial
-  rollouts) enters only as the truncated importance weight min(pi_old / pi_behaviour, tis_cap).
+  rollouts) enters only as the off-policy correction's weight per token (`algorithm.correction`,
+  corrections.py; by default truncated IS, min(pi_old / pi_behaviour, tis_cap)). How far pi_old and the
+  behaviour policy disagree is measured by token age every step (`mismatch/`, corrections.MismatchTally).
 Each mini-batch runs as length-sorted micro-batches under a padded-token budget whose longest row is at most
 `learner.max_spread` times its shortest; each micro-batch's loss is weighted by its share of the
 mini-batch's loss units (tokens or sequences, per the aggregation) summed over every data-parallel rank, so
@@ -28,6 +30,7 @@ import torch
 from april_ray.learn import algorithms as algo
 from april_ray.batching import padded_chunks
 from april_ray.config import AlgorithmConfig, LearnerConfig, StalenessConfig, run_seeded
+from april_ray.learn.corrections import MismatchTally, build_correction, corrections
 from april_ray.learn.logprobs import num_chunks, packed_layout, padded_layout, selected_logprobs
 from april_ray.learn.optim import build_optim
 from april_ray.types import Sample
@@ -128,6 +131,8 @@ class Learner:
         self.rng = random.Random(seed * 1_000_003 + rank)
         self.cfg, self.algo = learner_cfg, algo_cfg
         self.policy_loss = algo.build_loss(algo_cfg)
+        self.correction = build_correction(algo_cfg)
+        self.compared = {k: c for k, c in corrections(algo_cfg).items() if k != "none"}  # in `mismatch/`
         self.temperature, self.max_response_len, self.staleness = temperature, max_response_len, staleness
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -175,15 +180,17 @@ class Learner:
         minibatches = [order[i::k] for i in range(k)]
         old = self.proximal_logprobs(samples) if k > 1 else None
         sums: dict[str, float] = {}
+        tally = MismatchTally(self.compared)
         for idx in minibatches:
             part_old = [old[i] for i in idx] if old is not None else None
-            for key, v in self._optimiser_step([samples[i] for i in idx], adv[idx], part_old, version).items():
+            for key, v in self._optimiser_step([samples[i] for i in idx], adv[idx], part_old, version, tally).items():
                 sums[key] = max(sums.get(key, v), v) if key.endswith("_max") else sums.get(key, 0.0) + v / k
         rewards = [s.reward for s in samples]
         total_tokens = sum(len(s.response_ids) for s in samples)
-        return sums | {"train/reward_mean": sum(rewards) / len(rewards), "train/num_minibatches": k,
-                       "train/response_len_mean": total_tokens / len(samples), "train/num_samples": len(samples),
-                       "train/lr": self.cfg.lr}
+        return sums | tally.metrics(self.optim.over_ranks) | {
+            "train/reward_mean": sum(rewards) / len(rewards), "train/num_minibatches": k,
+            "train/response_len_mean": total_tokens / len(samples), "train/num_samples": len(samples),
+            "train/lr": self.cfg.lr}
 
     def micro_batches(self, samples: list[Sample]) -> tuple[list[list[int]], int]:
         """(length-sorted micro-batches, how many of them are this rank's own). Every rank runs as many: a
@@ -207,13 +214,14 @@ class Learner:
                 out[i] = lp
         return out
 
-    def _optimiser_step(self, samples, adv, old, version) -> dict[str, float]:
+    def _optimiser_step(self, samples, adv, old, version, tally: MismatchTally) -> dict[str, float]:
         """One optimiser step on a mini-batch, accumulated over its micro-batches.
 
         A micro-batch's loss is its mean over its loss units times its share of the units of the whole
         mini-batch, every rank's together, times the number of ranks whose gradients are averaged: the
         average is then the gradient of the mini-batch's loss however it is split. Its metrics are weighted
-        by its share of this rank's part (the driver averages the ranks')."""
+        by its share of this rank's part (the driver averages the ranks'). `tally` adds this rank's own
+        micro-batches' mismatch."""
         chunks, num_own = self.micro_batches(samples)
         batches = []
         for idx in chunks:
@@ -226,7 +234,7 @@ class Learner:
         scale = self.optim.ranks_averaged
         sums: dict[str, float] = {}
         for k, ((batch, a), unit) in enumerate(zip(batches, units)):
-            policy, kl, stats = self._loss(batch, a, version)
+            policy, kl, stats = self._loss(batch, a, version, tally if k < num_own else None)
             # a micro-batch with no kept sequence has a NaN sequence mean; its share of the loss is 0
             loss = policy * (scale * unit[0] / total[0]) if unit[0] > 0 else (policy.nan_to_num() * 0)
             if kl is not None:
@@ -246,21 +254,24 @@ class Learner:
     def _loss_units(self, batch, version) -> tuple[float, float, float]:
         """(policy-loss units, kept tokens, response tokens) of a micro-batch: the policy loss averages over
         tokens (token_mean) or over sequences with a kept token (seq_mean_token_mean, GSPO)."""
-        _, keep, _ = algo.off_policy_weights(batch["behaviour_logp"], batch["behaviour_logp"], batch["versions"],
-                                             version, batch["mask"], tis_cap=self.algo.tis_cap,
-                                             max_versions=self.staleness.max_versions, policy=self.staleness.policy)
+        behaviour = batch["behaviour_logp"]
+        _, keep, _ = algo.off_policy_weights(behaviour, behaviour, batch["versions"], version, batch["mask"],
+                                             correction=self.correction, staleness=self.staleness)
         tokens = float(keep.sum())
         units = tokens if self.policy_loss.per_token else float((keep.sum(1) > 0).sum())
         return units, tokens, float(batch["mask"].sum())
 
-    def _loss(self, batch, adv, version):
+    def _loss(self, batch, adv, version, tally: MismatchTally | None = None):
         """This micro-batch's policy loss (its mean over its loss units), its KL to the reference (None
-        without one; a mean over kept tokens) and its metrics, each over the micro-batch."""
+        without one; a mean over kept tokens) and its metrics, each over the micro-batch; its mismatch by
+        token age goes to `tally` (None: a repeated micro-batch, counted once already)."""
         logp = self.logprobs(self.model, batch)
         old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()
         weights, keep, metrics = algo.off_policy_weights(
             old_logp, batch["behaviour_logp"], batch["versions"], version, batch["mask"],
-            tis_cap=self.algo.tis_cap, max_versions=self.staleness.max_versions, policy=self.staleness.policy)
+            correction=self.correction, staleness=self.staleness)
+        if tally is not None:
+            tally.add(old_logp - batch["behaviour_logp"], version - batch["versions"], batch["mask"], keep)
         out = self.policy_loss(logp, old_logp, adv, keep, weights)
         metrics |= out.metrics
         kl = None
