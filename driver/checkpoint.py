@@ -1,27 +1,26 @@
-"""Checkpoints of a training job.
+"""Checkpoints of a training job: their format, how one is saved and loaded, and how it is verified.
 
 A checkpoint is one directory `ckpt-<step>`, written under a temporary name and renamed into place when
 complete, then `latest` is pointed at it (both renames are atomic; `latest` holds a name, never a path,
 and one that leaves the output directory is refused). It holds tensors and JSON only: the policy in
 Hugging Face format (safetensors), the optimiser state (safetensors, `april_ray/learn/safe_state.py`),
 `rollout_state.json` and, written last, `manifest.json` (every file of the checkpoint with its size and
-sha256, checked before anything is read). Nothing in a checkpoint is ever unpickled: a file that is
-neither safetensors nor text is refused by name (`check_contents`), and the loaders cannot unpickle. `rollout_state.json` is plain JSON, never a pickle, with a
+sha256, checked before anything is read, and the id of the run that saved it). Nothing in a checkpoint is
+ever unpickled: a file that is neither safetensors nor text is refused by name (`check_contents`), and the
+loaders cannot unpickle. `rollout_state.json` is plain JSON, never a pickle, with a
 schema name and version: the step, the policy version, the prompt cursor, the partial-rollout store
 (every sample's token ids, behaviour logprobs, per-token versions, state and reward) and the monitor's
 counters, all taken at the same moment between two steps, so a restart neither skips the prompts
 waiting in the store nor repeats any (the cursor alone has already moved past the prompts of the
 partial groups).
 
-`find_checkpoint` takes the newest complete checkpoint of this run and says which incomplete ones (a
-crash mid-write, a `latest` pointing at a missing directory, a link out of the output directory) and which
-of other runs it passed over. A run is a lineage: a fresh job (`train.resume=false`) starts a new one in
-`train.output_dir` (`start_run`: its id in the file `run`, and in every checkpoint's manifest), and a
-resume goes on with it. A resume never picks up, nor writes over, the checkpoint of another run: one
-there stops it (`open_run`), named (checkpoints written before run ids, without one, are taken by any
-run). The step and version a checkpoint claims are checked against its name, its manifest and the job's
-train.num_steps (`read_state`, `open_run`). A checkpoint of the older pickle format (`state.pkl`) is
-refused, never unpickled: loading a pickle runs code from the file.
+`find_checkpoint` takes the newest complete checkpoint of a run and says which incomplete ones (a crash
+mid-write, a `latest` pointing at a missing directory, a link out of the output directory) and which of
+other runs it passed over (checkpoints written before run ids, without one, are any run's). The step and
+version a checkpoint claims are checked against its name, its manifest and the job's train.num_steps
+(`read_state`, `checked`). A checkpoint of the older pickle format (`state.pkl`) is refused, never
+unpickled: loading a pickle runs code from the file. Which run a job is, and what it does with other
+runs' files, is `output_dir.py`'s.
 """
 from __future__ import annotations
 
@@ -31,7 +30,6 @@ import os
 import re
 import shutil
 import stat
-import uuid
 from pathlib import Path
 
 import ray
@@ -47,7 +45,6 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the file (and the field)."""
 
 
-RUN_FILE = "run"
 LATEST = "latest"
 
 
@@ -67,89 +64,6 @@ def named_by_latest(out_dir: Path) -> Path | None:
     return out_dir / name
 
 
-def current_run(out_dir: Path) -> str | None:
-    """The run id the file `run` of an output directory names (None: none there)."""
-    f = out_dir / RUN_FILE
-    return (f.read_text().strip() or None) if f.is_file() else None
-
-
-def new_run_id() -> str:
-    return uuid.uuid4().hex[:16]
-
-
-def start_run(out_dir: Path, resume: bool, new_run: str | None = None) -> str:
-    """This job's run id. A resume's is the one in `out_dir/run` (with none there: that of the checkpoint
-    `latest` names, or else of the newest complete one, so checkpoints copied into a new directory are
-    still resumed from). A fresh job writes a new one (`new_run`, if given) and drops the `latest`
-    pointer, which names an earlier run's checkpoint."""
-    run = None
-    if resume:
-        if run := current_run(out_dir):
-            return run
-        named = named_by_latest(out_dir)
-        ckpt = named if named is not None and incomplete_reason(named) is None else find_checkpoint(out_dir, lambda _: None)
-        run = _run_of(ckpt) if ckpt is not None else None
-    else:
-        (out_dir / LATEST).unlink(missing_ok=True)
-    run = run or new_run or new_run_id()
-    _write(out_dir / RUN_FILE, run)
-    return run
-
-
-def open_run(out_dir: Path, train, log=print, new_run: str | None = None) -> Path | None:
-    """Start this job's run in `out_dir`; returns the checkpoint to resume from (None: step 0), its
-    contents and state checked (`check_contents`, `read_state`) before anything starts.
-
-    A fresh job (`train.resume=false`) never erases an earlier run: its files are moved to
-    `out_dir/runs/<its run id>` first (`set_aside`), and it starts run `new_run` (None: a new id). A
-    resume goes on with the run of `out_dir`. It stops, naming each checkpoint and why, when another
-    run's checkpoints are there (its saves would write over them), or when its own saved checkpoints are
-    all unusable (its next save would overwrite one), unless `train.start_over`: then it starts a new run
-    as a fresh job does. A checkpoint past train.num_steps stops it too: there is nothing left to train."""
-    if train.resume:
-        run = start_run(out_dir, resume=True)
-        foreign = other_runs(out_dir, run)
-        rejected = list(foreign)
-        ckpt = find_checkpoint(out_dir, log, run, rejected)
-        if not foreign and (ckpt is not None or not rejected):
-            return ckpt if ckpt is None else checked(ckpt, train.num_steps)
-        if not train.start_over:
-            what = "another run's checkpoints are" if foreign else "no usable checkpoint is"
-            raise CheckpointError(
-                f"train.resume: {what} in {out_dir}; {_rejections(rejected)}. Nothing was changed. Repair or move "
-                f"them, or add train.start_over=true to start a new run from step 0 (this directory's run files are "
-                f"moved to {out_dir / EARLIER_RUNS} first).")
-        log(f"checkpoint: train.start_over: {len(rejected)} checkpoints rejected; starting a new run")
-    set_aside(out_dir, log)
-    start_run(out_dir, resume=False, new_run=new_run)
-    return None
-
-
-def _rejections(rejected: list[tuple[Path, str]], most: int = 5) -> str:
-    """`ckpt-000004, ckpt-000009: why; ckpt-000010: why`: the checkpoints of one reason together."""
-    by_reason: dict[str, list[str]] = {}
-    for path, why in rejected:
-        by_reason.setdefault(why, []).append(path.name)
-    return "; ".join(", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
-                     + f": {why}" for why, names in by_reason.items())
-
-
-def other_runs(out_dir: Path, run: str) -> list[tuple[Path, str]]:
-    """(path, why) of each checkpoint in `out_dir` whose manifest names a run other than `run`, complete or
-    not: a resume of `run` saving its steps would write over them. Only the run id is read."""
-    found = []
-    for path in sorted(out_dir.glob("*ckpt-*")):
-        if not _NAME.search(path.name) or path.name.startswith(".tmp") or _link_reason(path) is not None:
-            continue
-        try:
-            other = json.loads((path / MANIFEST).read_text()).get("run")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(other, str) and other != run:
-            found.append((path, f"belongs to run {other}, not to run {run} that {out_dir / RUN_FILE} names"))
-    return found
-
-
 def checked(ckpt: Path, num_steps: int) -> Path:
     """`ckpt`, once its files and state are found usable and its step is before `num_steps`."""
     check_contents(ckpt)
@@ -160,39 +74,11 @@ def checked(ckpt: Path, num_steps: int) -> Path:
     return ckpt
 
 
-EARLIER_RUNS = "runs"
-RUN_RECORDS = {RUN_FILE, LATEST, "config.yaml", "wandb_run_id", "wandb", "tensorboard", "weights"}
-"""What a run leaves in its output directory besides its checkpoints and `*.jsonl` step logs."""
-
-
-def set_aside(out_dir: Path, log=print) -> Path | None:
-    """Move an earlier run's files in `out_dir` (records, step logs, checkpoints) to
-    `out_dir/runs/<its run id>`, where `train.output_dir=<that directory> train.resume=true` goes on with it.
-    Other files stay. Returns where they went (None: there were none)."""
-    mine = [p for p in out_dir.iterdir() if p.name in RUN_RECORDS or p.suffix == ".jsonl" or _NAME.search(p.name)]
-    if not mine:
-        return None
-    name = current_run(out_dir) or "unnamed"
-    if not re.fullmatch(r"[\w-]{1,64}", name):  # a run id is hex: anything else is not made a path
-        name = "unnamed"
-    dest = out_dir / EARLIER_RUNS / name
-    n = 1
-    while dest.exists():
-        n += 1
-        dest = out_dir / EARLIER_RUNS / f"{name}-{n}"
-    dest.mkdir(parents=True)
-    for p in mine:
-        p.rename(dest / p.name)
-    log(f"{out_dir} held an earlier run: its {len(mine)} files moved to {dest} (nothing deleted; "
-        f"train.output_dir={dest} train.resume=true continues it)")
-    return dest
-
-
-def save_checkpoint(out_dir: Path, step: int, version: int, learners, rollout) -> Path:
-    """Everything a resume needs, taken between two steps (after `step`, at policy `version`)."""
+def save_checkpoint(out_dir: Path, run: str, step: int, version: int, learners, rollout) -> Path:
+    """Everything a resume of run `run` needs, taken between two steps (after `step`, at policy `version`)."""
     source, store, monitor = ray.get([rollout.source.state_dict.remote(), rollout.store.state_dict.remote(),
                                       rollout.monitor.state_dict.remote()])
-    return write_checkpoint(out_dir, rollout_state(step, version, source, store, monitor), learners.save)
+    return write_checkpoint(out_dir, rollout_state(step, version, source, store, monitor), learners.save, run)
 
 
 def rollout_state(step: int, version: int, source: dict, store: dict, monitor: dict) -> dict:
@@ -202,19 +88,20 @@ def rollout_state(step: int, version: int, source: dict, store: dict, monitor: d
                         if k in monitor}}
 
 
-def write_checkpoint(out_dir: Path, state: dict, save_policy) -> Path:
-    """`save_policy(dir)` writes the policy and optimiser; then the rollout state, then the manifest."""
+def write_checkpoint(out_dir: Path, state: dict, save_policy, run: str | None) -> Path:
+    """`save_policy(dir)` writes the policy and optimiser; then the rollout state, then the manifest, which
+    names `run` (the job's run id, `output_dir.current_run`)."""
     path = out_dir / f"ckpt-{state['step']:06d}"
     tmp = out_dir / f".tmp-{path.name}"
     for stale in out_dir.glob(".tmp-ckpt-*"):  # this one, or saves a killed run left unfinished
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_policy(str(tmp))
-    _write(tmp / STATE_FILE, json.dumps(state))
+    write_synced(tmp / STATE_FILE, json.dumps(state))
     files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
              for f in sorted(tmp.rglob("*")) if f.is_file()}
-    _write(tmp / MANIFEST, json.dumps({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "step": state["step"],
-                                       "run": current_run(out_dir), "files": files}, indent=1))
+    write_synced(tmp / MANIFEST, json.dumps({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "step": state["step"],
+                                       "run": run, "files": files}, indent=1))
     old = out_dir / f".old-{path.name}"
     if path.exists():  # a redone step's: moved aside, not deleted, until the new one is in place
         shutil.rmtree(old, ignore_errors=True)
@@ -226,12 +113,13 @@ def write_checkpoint(out_dir: Path, state: dict, save_policy) -> Path:
             shutil.rmtree(moved, ignore_errors=True)
         else:
             moved.rename(home)
-    _write(out_dir / f"{LATEST}.tmp", path.name)
+    write_synced(out_dir / f"{LATEST}.tmp", path.name)
     (out_dir / f"{LATEST}.tmp").replace(out_dir / LATEST)
     return path
 
 
-def _write(path: Path, text: str) -> None:
+def write_synced(path: Path, text: str) -> None:
+    """`text` in `path`, on disk before this returns."""
     with open(path, "w") as f:
         f.write(text)
         f.flush()
@@ -320,7 +208,7 @@ def find_checkpoint(out_dir: Path, log=print, run: str | None = None, rejected: 
                     reverse=True)
     for path in candidates:
         reason = "not finished (a save was interrupted)" if path.name.startswith(".tmp") else incomplete_reason(path)
-        other = _run_of(path) if reason is None and run is not None else None
+        other = run_of(path) if reason is None and run is not None else None
         if other is not None and other != run:
             log(f"checkpoint: {path} belongs to an earlier run ({other}, not this run's {run}); skipping it")
             continue
@@ -337,9 +225,26 @@ def find_checkpoint(out_dir: Path, log=print, run: str | None = None, rejected: 
     return None
 
 
-def _run_of(path: Path) -> str | None:
+def run_of(path: Path) -> str | None:
     """The run id in a complete checkpoint's manifest (None: written before run ids)."""
     return json.loads((path / MANIFEST).read_text()).get("run")
+
+
+def claimed_run(path: Path) -> str | None:
+    """The run id a checkpoint directory's manifest names, complete or not; None where there is none to read
+    (written before run ids, no readable manifest, an unfinished save) or the directory reaches outside."""
+    if not is_checkpoint_name(path.name) or path.name.startswith(".tmp") or _link_reason(path) is not None:
+        return None
+    try:
+        run = json.loads((path / MANIFEST).read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run if isinstance(run, str) else None
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """`ckpt-<step>`, or a copy of one being saved (`.tmp-`) or moved aside (`.old-`)."""
+    return _NAME.search(name) is not None
 
 
 def _step(path: Path) -> int:

@@ -74,7 +74,7 @@ def train(cfg) -> dict:
         exported.record_step(step + 1, clock.step, metrics)
         tracker.log(step, metrics | {"train/version": version, "time/wall_s": time.perf_counter() - t0})
         if (step + 1) % cfg.train.save_every == 0:  # after the step's rows: a resume never lacks them
-            save_checkpoint(out, step, version, learners, rollout)
+            save_checkpoint(out, run.lock.run, step, version, learners, rollout)
 
     after = evaluated  # the last step's evaluation is of the final weights already
     if after is None:
@@ -85,7 +85,7 @@ def train(cfg) -> dict:
     idle_shares = idle.metrics(busy_seconds(engines.stats(drain=False)), clock.totals)
     records.end(step, ray.get(rollout.source.state_dict.remote()), ray.get(rollout.store.state_dict.remote()))
     if step >= run.start and (step + 1) % cfg.train.save_every:
-        save_checkpoint(out, step, version, learners, rollout)
+        save_checkpoint(out, run.lock.run, step, version, learners, rollout)
     tracker.close()
     run.shutdown()
     return {"accuracy_before": before["eval/accuracy_t1"], "accuracy_after": after["eval/accuracy_t1"],

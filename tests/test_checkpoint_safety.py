@@ -13,8 +13,8 @@ import torch
 from april_ray.config import AlgorithmConfig, LearnerConfig, TrainConfig
 from april_ray.learn.learner import Learner
 from april_ray.learn.safe_state import StateFileError, load_state, save_state
-from driver.checkpoint import (CheckpointError, _sha256, check_contents, find_checkpoint, open_run, rollout_state,
-                               write_checkpoint)
+from driver.checkpoint import CheckpointError, _sha256, check_contents, find_checkpoint, rollout_state, write_checkpoint
+from driver.output_dir import current_run, open_run
 from tests.conftest import USER_ENV
 from tests.fakes import make_rollout_parts
 from tests.prefetch import shared_job
@@ -41,7 +41,7 @@ def save_policy(path):
 def checkpoint(out: Path, step: int) -> Path:
     store = {"partial": [], "complete": [], "num_restarted_samples": 0}
     state = rollout_state(step, step + 1, {}, store, {"returned_groups": 0, "dropped_groups": 0, "over_sampling": {}})
-    return write_checkpoint(out, state, save_policy)
+    return write_checkpoint(out, state, save_policy, current_run(out))
 
 
 def put_pickles(ckpt: Path, marker: Path, suffixes=(".pt", ".bin", ".safetensors")) -> list[Path]:
@@ -347,7 +347,7 @@ def crafted(out: Path, step: int, version: int, name: str | None = None, token_v
     sample = state["partial"][0]["samples"][0]
     sample["versions"] = [token_version] * len(sample["versions"])
     path = write_checkpoint(out, rollout_state(step, version, source.state_dict(), state, {"returned_groups": 0,
-                            "dropped_groups": 0, "over_sampling": {}}), save_policy)
+                            "dropped_groups": 0, "over_sampling": {}}), save_policy, current_run(out))
     if name is not None:
         path = path.rename(out / name)
     return path

@@ -1,5 +1,5 @@
 """GPU checks of the HTTP engine path: our engine's server with the model on CUDA, and weights handed to it
-by CUDA IPC (`weights.tensor.send_tensors`); a real `sglang.launch_server` where SGLang is installed.
+by CUDA IPC (`engine.weight_handoff.send_tensors`); a real `sglang.launch_server` where SGLang is installed.
 
     python -m pytest -q -m gpu tests/test_gpu_http.py
 
@@ -12,9 +12,9 @@ import importlib.util
 import pytest
 import torch
 
-from april_ray.weights.tensor import send_tensors
 from april_ray.engine.sglang_client import SGLangEngine
 from april_ray.engine.sglang_server import CPUServerLauncher, SGLangLauncher, ServerOptions
+from april_ray.engine.weight_handoff import send_tensors
 from april_ray.types import FinishReason, GenerateRequest, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]

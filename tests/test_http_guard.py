@@ -232,7 +232,7 @@ def test_a_weights_file_linked_from_outside_the_roots_is_refused(server, random_
 
 def test_a_keyless_server_refuses_a_public_address_unless_told(random_model_dir):
     """One line on stderr, before the model is loaded; loopback, a key, or the flag let it start."""
-    from april_ray.engine.http_server import refuse_keyless_public
+    from april_ray.engine.http_wire import refuse_keyless_public
 
     proc = subprocess.run([sys.executable, "-m", "april_ray.engine.http_server", "--model-path", str(random_model_dir),
                            "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=120)

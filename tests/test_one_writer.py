@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from april_ray.config import TrainConfig
-from driver.checkpoint import find_checkpoint, open_run
-from driver.output_dir import OutputDirBusy, OutputLock
+from driver.checkpoint import find_checkpoint
+from driver.output_dir import OutputDirBusy, OutputLock, open_run
 from tests.conftest import USER_ENV
 from tests.local_job import ROOT, SMALL, train_command
 from tests.prefetch import shared_job

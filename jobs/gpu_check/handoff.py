@@ -1,6 +1,6 @@
 """Part 4: the colocated channel's weight handoff (engine.weight_sync=tensor) at Qwen3-1.7B's shape: this
 process is the learner, our engine's HTTP server (april_ray/engine/http_server.py, bf16, on the same device)
-is the engine process, and each update goes through `weights.tensor.send_tensors` (CUDA IPC handles on a GPU,
+is the engine process, and each update goes through `engine.weight_handoff.send_tensors` (CUDA IPC handles on a GPU,
 shared memory on CPU) into the server's `/update_weights_from_tensor`. The learner's side is the torch
 backend's `full_weights` (april_ray/learn/optim.py): every tensor under its first name, so the tied head is
 not sent. After the updates one greedy request checks that the server serves the last version.
@@ -51,7 +51,7 @@ def run(scale: Scale, device, dtype, work: Path, deadline: Deadline) -> dict:
 
 
 async def hand_over(server, named, updates: int, bucket_mb: float, deadline: Deadline) -> dict:
-    from april_ray.weights.tensor import send_tensors
+    from april_ray.engine.weight_handoff import send_tensors
     from april_ray.engine.sglang_client import SGLangEngine
     from april_ray.types import GenerateRequest, SamplingParams
 
