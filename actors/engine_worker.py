@@ -85,6 +85,9 @@ class EngineWorkerActor:
     async def abort_all(self, step) -> int:
         return self.worker.abort_all(step)
 
+    async def abort_engine(self) -> int:
+        return self.worker.abort_engine()
+
     async def update_weights(self, state_dict, version: int, incarnation: str | None = None) -> dict:
         """Adopts the weights; returns `status()` (the driver counts a restart from its incarnation).
         `incarnation`: the process whose server received weights sent another way; a restarted one refuses."""

@@ -5,7 +5,6 @@ GPUs stand in for real ones in the placement math.
 """
 
 import hashlib
-import itertools
 from pathlib import Path
 
 import pytest
@@ -100,9 +99,6 @@ def engine_sets(local_ray):
         engines.shutdown()
 
 
-RESETS = itertools.count()
-
-
 def as_if_started(shared, initial_weights):
     """Started engines, handed to a test as `EngineGroup.start` leaves them, through their own API: no
     request left running (a test that failed mid-step), no parked KV cache (a version past every parked
@@ -113,7 +109,7 @@ def as_if_started(shared, initial_weights):
     status = settle([a.status.remote() for a in shared.actors], timeout_s=120.0)
     if any(isinstance(st, Exception) for st in status):
         return None
-    ray.get([a.abort_all.remote(("as_if_started", next(RESETS))) for a in shared.actors])
+    ray.get([a.abort_engine.remote() for a in shared.actors])
     engines = EngineGroup(list(shared.actors), list(shared.capacities), shared.placement_group, shared.layout,
                           incarnations=[st["incarnation"] for st in status], journal=shared.journal,
                           servers_take_weights=shared.servers_take_weights, releases_memory=shared.releases_memory)
@@ -291,7 +287,7 @@ def test_a_killed_engine_loses_no_sample(local_ray, tmp_path, model_dir, engines
 
 def test_samples_aborted_by_someone_else_mid_step_are_resumed_in_the_same_step(local_ray, tmp_path, model_dir,
                                                                                 engines_of, rollout_of):
-    """Another caller aborts the engines (a token that is not the monitor's) while a step runs: the
+    """Another caller aborts every request on the engines (no step of the monitor's) while a step runs: the
     monitor re-dispatches the interrupted samples from its handles of their partial results (a sample
     handle is an element of a call's result list, which the engine actor resolves itself), and the
     step still returns N complete groups with nothing lost or repeated."""
@@ -303,7 +299,7 @@ def test_samples_aborted_by_someone_else_mid_step_are_resumed_in_the_same_step(l
     aborted, hits, i = 0, 0, 0
     while hits < 20 and not ray.wait([ref], timeout=0.005)[0]:  # bounded: each abort costs the step progress,
         # and on a loaded machine unbounded aborts every few ms could keep it from ever finishing
-        n = sum(ray.get([e.abort_all.remote(("someone else", i)) for e in engines.actors]))
+        n = sum(ray.get([e.abort_engine.remote() for e in engines.actors]))
         aborted, hits, i = aborted + n, hits + (n > 0), i + 1
     assert aborted > 0, "the step ended before any external abort hit a running request"
     result = ray.get(ref)

@@ -42,6 +42,9 @@ class SeededEngine:
         out = out[:req.sampling.max_new_tokens]
         return GenerateOutput(req.request_id, out, [-0.1] * len(out), [0] * len(out), FinishReason.STOP)
 
+    def abort_tagged(self, tag):
+        return 0
+
     def abort_all(self):
         return 0
 

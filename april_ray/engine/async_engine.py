@@ -41,11 +41,14 @@ class AsyncEngine:
             self._resolve(out)
         return out is not None
 
-    def abort_all(self) -> int:
-        outs = self.engine.abort_all()
+    def abort_tagged(self, tag: str) -> int:
+        outs = self.engine.abort_tagged(tag)
         for out in outs:
             self._resolve(out)
         return len(outs)
+
+    def abort_all(self) -> int:
+        return self.abort_tagged("")
 
     def update_weights(self, state_dict, version: int) -> None:
         self.engine.update_weights(state_dict, version)

@@ -26,8 +26,13 @@ class Engine(Protocol):
     def abort(self, request_id: str, park: bool = True) -> bool:
         """Abort one request; True if it was known. Idempotent. `park=False`: never keep its KV cache."""
 
+    def abort_tagged(self, tag: str) -> int:
+        """Abort every request whose id ends with `tag` (one rollout step's requests: `EngineWorker` ends
+        each of them with the step's tag); returns how many were aborted. Idempotent."""
+
     def abort_all(self) -> int:
-        """Abort every request; returns how many were aborted. Idempotent."""
+        """Abort every request, whoever sent it (a dying engine, a probe's end); returns how many were
+        aborted. Idempotent."""
 
     def update_weights(self, state_dict, version: int) -> None:
         """Adopt new weights between steps; later tokens carry `version`."""

@@ -23,6 +23,7 @@ import torch
 from april_ray.batching import padded_chunks
 from april_ray.engine.model_runner import ModelRunner, decode_segments, fragmented, grouping_order, sample
 from april_ray.engine.scheduler import ParkedKV, Scheduler, Sequence
+from april_ray.engine.weight_sync import check_full_update
 from april_ray.types import EngineStats, FinishReason, GenerateOutput, GenerateRequest
 
 
@@ -100,9 +101,13 @@ class LLMEngine:
         self._remove(seq)
         return seq.output(FinishReason.ABORT)
 
-    def abort_all(self) -> list[GenerateOutput]:
-        seqs = [*self.scheduler.running, *self.scheduler.waiting]
+    def abort_tagged(self, tag: str) -> list[GenerateOutput]:
+        """`abort` every request whose id ends with `tag` (parking their caches), running or waiting."""
+        seqs = [s for s in (*self.scheduler.running, *self.scheduler.waiting) if s.request.request_id.endswith(tag)]
         return [self.abort(s.request.request_id) for s in seqs]
+
+    def abort_all(self) -> list[GenerateOutput]:
+        return self.abort_tagged("")
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -116,15 +121,15 @@ class LLMEngine:
 
         Running sequences keep the KV cache their old weights computed (SGLang's in-place mode behaves
         the same); the per-token versions record exactly which weights sampled each token.
+
+        All or nothing: every tensor is checked (names, shapes, finite values) before any is copied, so a
+        refused update raises ValueError naming the tensor and leaves the weights and version as they were.
+        The whole state dict is at hand (the object store's), so nothing is staged: no memory beyond it.
         """
         if state_dict is not None:
+            check_full_update(self.runner.model, state_dict)
             with torch.no_grad():
-                missing, unexpected = self.runner.model.load_state_dict(state_dict, strict=False)
-            # a tied head comes as the embedding alone (learn/optim.served_names): anything else is a mismatch
-            params = self.runner.model.state_dict(keep_vars=True)
-            untied = [n for n in missing if not any(params[n] is params[k] for k in state_dict)]
-            if unexpected or untied:
-                raise ValueError(f"weights do not match the engine's model (missing {untied}, unexpected {unexpected})")
+                self.runner.model.load_state_dict(state_dict, strict=False)
         self.version = version
         self.parked.expire(version)
 

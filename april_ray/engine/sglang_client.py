@@ -9,10 +9,13 @@ in-actor engine.
   returns its partial tokens. A request with `stop_token_ids` (the job's: the tokenizer's EOS) stops at
   them and, as SGLang always does, at the model's own EOS ids; one without any runs to its budget, as in
   our engine: it goes out with `ignore_eos`, which in SGLang turns off every token stop.
-- `abort` / `abort_all` are immediate for the caller and finish in the background: `abort_all` posts
-  SGLang's `abort_all`, then re-aborts, by rid, those of its requests still in flight (a request can
-  reach the server after the abort did) until none is left, a bounded number of times. By rid, so a
-  request of the next step is never caught.
+- `abort`, `abort_tagged` and `abort_all` are immediate for the caller and finish in the background:
+  `abort_tagged` (one step's requests) posts each matching request's rid, and posts again those still in
+  flight (a request can reach the server after its abort did: SGLang drops an abort for a rid it does not
+  know yet) until none is left, a bounded number of times. `abort_all` posts SGLang's `abort_all` first,
+  then does the same for the requests in flight when it was called, so a request of the next step is
+  never caught. Each rid begins with a fresh uuid: SGLang's scheduler aborts every request whose rid
+  begins with the one aborted, and no rid of ours begins with another.
 - `update_weights(None, version)` adopts the version of weights that the learner delivered itself
   (april_ray/weights/: broadcast, tensor handoff or disk, each stamping `weight_version`); the async
   methods below are those deliveries' HTTP half, and pause / continue, memory release / resume,
@@ -125,7 +128,7 @@ class SGLangEngine:
         sp, ids = request.sampling, request.input_ids
         budget = sp.max_new_tokens if self.max_model_len is None else min(sp.max_new_tokens,
                                                                            self.max_model_len - len(ids))
-        rid = f"{request.request_id}-{uuid.uuid4().hex[:12]}"
+        rid = f"{uuid.uuid4().hex}-{request.request_id}"
         body = {"rid": rid, "input_ids": ids, "return_logprob": True, "logprob_start_len": -1,
                 "sampling_params": {"max_new_tokens": max(budget, 1), "temperature": sp.temperature,
                                     "top_p": sp.top_p, "top_k": sp.top_k, "stop_token_ids": list(sp.stop_token_ids),
@@ -146,16 +149,22 @@ class SGLangEngine:
             self._background(self.request("POST", "/abort_request", {"rid": rid}))
         return rid is not None
 
+    def abort_tagged(self, tag: str) -> int:
+        n = sum(request_id.endswith(tag) for request_id in self._rids)
+        if n:
+            self._background(self._abort_until_gone(lambda request_id, rid: request_id.endswith(tag)))
+        return n
+
     def abort_all(self) -> int:
         ours = set(self._rids.values())
         if ours:
-            self._background(self._abort_until_gone(ours))
+            self._background(self._abort_until_gone(lambda request_id, rid: rid in ours, everything=True))
         return len(ours)
 
     def update_weights(self, state_dict, version: int) -> None:
         """Blocks until the server has loaded them, as our engine's in-place update does: between steps."""
         if state_dict is not None:
-            from april_ray.weights.tensor import send_tensors
+            from april_ray.engine.weight_handoff import send_tensors
 
             named = list(state_dict.items())
             self._blocking(lambda: send_tensors(self, named, version, self.flush_on_update, self.bucket_mb))
@@ -210,15 +219,23 @@ class SGLangEngine:
             versions[span["start"]:span["end"]] = [int(span["version"])] * (min(span["end"], n) - span["start"])
         return versions
 
-    async def _abort_until_gone(self, rids: set[str]) -> None:
-        await self.request("POST", "/abort_request", {"rid": "", "abort_all": True})
-        for attempt in range(self.abort_retries):
-            await asyncio.sleep(self.abort_interval_s * min(attempt + 1, 10))
-            left = rids & set(self._rids.values())
-            if not left:
+    async def _abort_until_gone(self, match, everything: bool = False) -> None:
+        """Abort, by rid, our requests in flight that `match(request_id, rid)`, until none is left (each
+        round looks again: one that reached the server after its abort is caught by the next);
+        `everything`: SGLang's `abort_all` first."""
+        if everything:
+            await self.request("POST", "/abort_request", {"rid": "", "abort_all": True})
+        def left() -> list[str]:
+            return [rid for request_id, rid in self._rids.items() if match(request_id, rid)]
+
+        for attempt in range(self.abort_retries + 1):
+            if not left():
                 return
-            await asyncio.gather(*[self.request("POST", "/abort_request", {"rid": rid}) for rid in left])
-        log.warning("%s: %d requests still in flight after %d aborts", self.url, len(left), self.abort_retries)
+            if attempt or not everything:
+                await asyncio.gather(*[self.request("POST", "/abort_request", {"rid": rid}) for rid in left()])
+            await asyncio.sleep(self.abort_interval_s * min(attempt + 1, 10))
+        if left():
+            log.warning("%s: %d requests still in flight after %d aborts", self.url, len(left()), self.abort_retries)
 
     # -- control: the HTTP half of weight sync, pause, memory -----------------------------------------
     async def health(self) -> None:

@@ -9,7 +9,9 @@ Aborts are race-free through a step gate: `abort_all(step)` closes the step, and
 a closed step that arrives later (it was in flight in Ray's queue when the abort ran) returns at once,
 untouched, instead of escaping the abort (an abort sent once would miss it). A step is any hashable token
 unique to one rollout step; the monitor uses (its run id, step number), so a new monitor on the same
-engines starts with open steps.
+engines starts with open steps. An abort reaches only its own step's requests: each of them has an id
+ending with the step's tag (`step_tag`), and the engine aborts by that tag, so an evaluation sharing the
+engine (the overlapped mode) or another step's calls run on untouched.
 
 With `rollout.episode_fn` each sample is an episode of several turns (april_ray/rollout/episode.py): the
 worker runs the episode function instead of one engine call, and an abort that lands inside one of its
@@ -72,7 +74,7 @@ def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, stalene
     tok = AutoTokenizer.from_pretrained(model_path)
     sampling = SamplingParams(sampling_cfg.temperature, sampling_cfg.top_p, sampling_cfg.top_k,
                               sampling_cfg.max_response_len, (tok.eos_token_id,))
-    kv_max_versions = staleness.max_versions if engine_cfg.reuse_stale_kv else 0
+    kv_max_versions = staleness.kv_max_versions(engine_cfg.reuse_stale_kv)
     worker = EngineWorker(build_engine(engine_cfg, model_path, version, max_versions=kv_max_versions,
                                        weights_root=weights_root),
                           lambda ids: tok.decode(ids, skip_special_tokens=True), build_reward_fn(task), sampling,
@@ -85,6 +87,14 @@ def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, stalene
                             kwargs=dict(episodes.episode_kwargs), max_turns=episodes.max_turns,
                             max_env_tokens=episodes.max_env_tokens_per_turn)
     return worker
+
+
+def step_tag(step) -> str:
+    """The end of every request id of `step` on the engine. No step's name holds '@', so no tag ends
+    another's, and no evaluation request (`evaluate`: '<tag>-<i>') ends with one."""
+    name = str(step)
+    assert "@" not in name, f"step token {name!r} must not contain '@'"
+    return f"@{name}"
 
 
 async def gather_or_cancel(*aws):
@@ -167,7 +177,7 @@ class EngineWorker:
         if step in self.closed_steps or not samples:
             return [sample_meta(s, 0) for s in samples], list(samples)
         run = self.run_episode if self.episode_fn is not None else self.generate_sample
-        done = await gather_or_cancel(*(run(s, step, f"@{step}") for s in samples))
+        done = await gather_or_cancel(*(run(s, step, step_tag(step)) for s in samples))
         metas, samples = [m for m, _ in done], [s for _, s in done]
         if self.reward_per_group and all(s.state == SampleState.FINISHED for s in samples):
             unscored = [s.reward is None for s in [*samples, *context]]  # what the group function scores
@@ -220,7 +230,8 @@ class EngineWorker:
     async def evaluate(self, items: list[EvalItem], temperature: float, tag: str,
                        top_p: float | None = None) -> list[tuple[float, int]]:
         """(reward, response length) of one response per item at `temperature` (0: greedy) and `top_p`
-        (None: sampling.top_p)."""
+        (None: sampling.top_p). Never aborted by a step's interrupt: no request id here ends with a step's tag."""
+        assert "@" not in tag, f"evaluation tag {tag!r} must not contain '@' (`step_tag`)"
         sp = dataclasses.replace(self.sampling, temperature=temperature,
                                  top_p=self.sampling.top_p if top_p is None else top_p)
         if self.episode_fn is not None:
@@ -248,8 +259,15 @@ class EngineWorker:
         return done.reward, done.num_model_tokens
 
     def abort_all(self, step) -> int:
+        """Close `step` and abort its requests on the engine (never an evaluation's or another step's);
+        returns how many were aborted."""
         if step not in self.closed_steps:
             self.closed_steps.append(step)
+        return self.engine.abort_tagged(step_tag(step))
+
+    def abort_engine(self) -> int:
+        """Abort every request on the engine, evaluations' included, closing no step (as an engine's own
+        pause in abort mode would): each call returns its partial samples, and the monitor sends them again."""
         return self.engine.abort_all()
 
     def update_weights(self, state_dict, version: int) -> None:

@@ -60,6 +60,9 @@ class InstantEngine:
         return GenerateOutput(request.request_id, repeated(token, n), repeated(-1.0, n), repeated(0, n),
                               FinishReason.STOP)
 
+    def abort_tagged(self, tag: str) -> int:
+        return 0
+
     def abort_all(self) -> int:
         return 0
 

@@ -94,11 +94,11 @@ class StepRecorder:
         self.engine, self.inner, self.rows, self.gaps = engine, engine.step, [], []
         self.between_s, self.last = 0.0, None
         self.boundary_s, self.aborted = 0.0, 0
-        self.inner_abort_all = engine.abort_all
-        engine.step, engine.abort_all = self.step, self.abort_all
+        self.inner_abort_tagged = engine.abort_tagged  # `abort_all` goes through it too
+        engine.step, engine.abort_tagged = self.step, self.abort_tagged
 
-    def abort_all(self):
-        outs = self.inner_abort_all()
+    def abort_tagged(self, tag):
+        outs = self.inner_abort_tagged(tag)
         self.aborted += len(outs)
         return outs
 
