@@ -7,9 +7,9 @@ import torch
 
 from april_ray.weights.broadcast import BroadcastGroup
 from april_ray.weights.servers import send_to_each
-from april_ray.weights.tensor import send_tensors
 from april_ray.engine.sglang_client import SGLangEngine
 from april_ray.engine.sglang_server import CPUServerLauncher, ServerOptions
+from april_ray.engine.weight_handoff import send_tensors
 from april_ray.types import GenerateRequest, SamplingParams
 
 MAX_LEN = 128

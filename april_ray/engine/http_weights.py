@@ -12,13 +12,21 @@
   from the model's own directory or under `--weights-root` only, each file confined there after its links
   are resolved (`read_confined`).
 - `/update_weight_version` {new_version, abort_all_requests}.
+- `/get_weights_by_name` {name, truncate_size}: the parameter's first `truncate_size` rows (100 by default) as
+  nested lists of float32 values, SGLang's way to read back what a server serves (a POST here).
 - `/begin_weight_update` {selector}, `/end_weight_update`: a weight-update session. As in SGLang, distributed
   and tensor updates are refused outside one (disk updates are not), and a session is opened only once.
   A session that no admin call renews for the lease (`--lease-s`) ends by itself.
 
+An update is all or nothing. Where SGLang loads each bucket of a session as it comes, here each is checked
+(names, shapes, every value finite) and staged (`weight_sync.StagedUpdate`), and the bucket that names the
+new `weight_version` (our senders put it on the last one) loads them all at once; a refused bucket drops
+the whole update, and a session that ends before its versioned bucket (its sender failed) drops what it
+staged. A disk update is checked whole before it loads. Either way a refused update names the tensor, and
+the model keeps the weights and version it had, bit for bit.
+
 Blocking work (the rendezvous, the broadcast) runs in a thread, so the server keeps answering (aborts,
-health) meanwhile; loading into the model runs on the event loop, between engine steps. Whatever the path,
-weights with a NaN or an infinity are refused by name before any of them is copied into the model.
+health) meanwhile; loading into the model runs on the event loop, between engine steps.
 """
 from __future__ import annotations
 
@@ -69,6 +77,8 @@ class WeightRoutes:
         self.groups: dict = {}
         self.session: str | None = None
         """The open weight-update session's selector (None: no session)."""
+        self.staged: weight_sync.StagedUpdate | None = None
+        """The buckets of the session's update so far, not loaded yet."""
         self.session_lease = Lease(lease_s, self._end_session, "weight-update session")
         self.disk_roots = [Path(self.model_path).resolve()] + ([Path(weights_root).resolve()] if weights_root else [])
         """Where /update_weights_from_disk may read: the model's directory, and the configured root."""
@@ -80,7 +90,8 @@ class WeightRoutes:
             "/update_weights_from_disk": self.from_disk, "/update_weight_version": self.update_version,
             "/begin_weight_update": self.begin_update, "/end_weight_update": self.end_update,
         }
-        return {path: _reply(fn) for path, fn in handlers.items()}
+        return {path: _reply(fn) for path, fn in handlers.items()} | {
+            "/get_weights_by_name": _reply(self.weights_by_name, wrap=False)}
 
     @property
     def device(self):
@@ -110,18 +121,23 @@ class WeightRoutes:
         if self.session is not None:
             raise ValueError("a weight-update session is already open; call end_weight_update() first")
         self.session = selector
+        self.staged = weight_sync.StagedUpdate(self.core.runner.model)
         self.session_lease.renew()
         return "Success"
 
     async def end_update(self, body: dict) -> str:
         if self.session is None:
             raise ValueError("no weight-update session is open; call begin_weight_update() first")
-        self._end_session()
-        return "Success"
+        dropped = self._end_session()
+        return f"Success (dropped {dropped} staged tensors: no bucket named the update's weight_version)" \
+            if dropped else "Success"
 
-    def _end_session(self) -> None:
+    def _end_session(self) -> int:
+        """Close the session, dropping any update it did not finish; returns how many tensors that held."""
         self.session_lease.cancel()
-        self.session = None
+        dropped = len(self.staged.tensors) if self.staged is not None else 0
+        self.session, self.staged = None, None
+        return dropped
 
     def _in_session(self, what: str) -> None:
         if self.session is None:
@@ -135,10 +151,9 @@ class WeightRoutes:
         if body.get("load_format") not in (None, "direct"):
             raise ValueError(f"load_format={body['load_format']!r} is not supported (only the default)")
         meta = weight_sync.Bucket(body["names"], body["dtypes"], body["shapes"])
-        async with self.exclusive(bool(body.get("abort_all_requests"))):
-            pg, comm_device = self.groups[name]
-            named = await asyncio.to_thread(weight_sync.receive_bucket, pg, meta, comm_device)
-            self._load([(n, t.to(self.device)) for n, t in named], body)
+        staged, (pg, comm_device) = self.staged, self.groups[name]
+        named = await asyncio.to_thread(weight_sync.receive_bucket, pg, meta, comm_device)
+        await self._stage(staged, named, body, copy=False)  # received into fresh memory: kept as it is
         return f"Succeeded to update {len(named)} parameters online."
 
     async def from_tensor(self, body: dict) -> str:
@@ -148,9 +163,8 @@ class WeightRoutes:
             raise ValueError(f"load_format={body['load_format']!r} is not supported (only the default)")
         if not isinstance(payloads, list) or len(payloads) != 1:
             raise ValueError("serialized_named_tensors must hold one payload (this server has one TP rank)")
-        async with self.exclusive(bool(body.get("abort_all_requests"))):
-            named = weight_sync.deserialize_named_tensors(payloads[0])
-            self._load([(n, t.to(self.device)) for n, t in named], body)
+        named = weight_sync.deserialize_named_tensors(payloads[0])
+        await self._stage(self.staged, named, body, copy=True)  # the sender's memory: copied before we answer
         return "Success"
 
     async def from_disk(self, body: dict) -> str:
@@ -161,10 +175,11 @@ class WeightRoutes:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ValueError(f"model_path {body['model_path']!r}: no *.safetensors file there")
-        named = [(n, t.to(self.device)) for f in files for n, t in _safetensors(read_confined(f, self.disk_roots), f)]
-        refuse_non_finite(named)  # before the pause: a bad file never holds generation
-        async with self.exclusive(bool(body.get("abort_all_requests"))):
-            self._load(named, body)
+        staged = weight_sync.StagedUpdate(self.core.runner.model)
+        staged.add([(n, t) for f in files for n, t in _safetensors(read_confined(f, self.disk_roots), f)], copy=False)
+        async with self.exclusive(bool(body.get("abort_all_requests"))):  # checked first: a bad file never pauses
+            staged.apply()
+            self._updated(body)
         return f"Succeeded to update model weights from {body['model_path']}."
 
     async def update_version(self, body: dict) -> str:
@@ -174,9 +189,26 @@ class WeightRoutes:
         self.set_version(str(body["new_version"]))
         return f"Weight version updated to {body['new_version']}"
 
-    def _load(self, named: list, body: dict) -> None:
-        refuse_non_finite(named)
-        weight_sync.load_named_tensors(self.core.runner.model, named)
+    async def weights_by_name(self, body: dict) -> list:
+        params = self.core.runner.model.state_dict(keep_vars=True)
+        name = _text(body, "name")
+        if name not in params:
+            raise ValueError(f"weight {name!r} is not a parameter of the served model")
+        return params[name].detach()[:int(body.get("truncate_size", 100))].to("cpu", torch.float32).tolist()
+
+    async def _stage(self, staged: weight_sync.StagedUpdate, named: list, body: dict, copy: bool) -> None:
+        """Stage one bucket of the session's update; the bucket that names the weight_version loads the whole
+        update, under that version (a later update in the same session stages afresh)."""
+        staged.add(named, copy)
+        if body.get("weight_version") is None:
+            return
+        if staged is self.staged:
+            self.staged = weight_sync.StagedUpdate(self.core.runner.model)
+        async with self.exclusive(bool(body.get("abort_all_requests"))):
+            staged.apply()
+            self._updated(body)
+
+    def _updated(self, body: dict) -> None:
         if body.get("flush_cache", True):
             self.core.flush_cache()
         if body.get("weight_version") is not None:
@@ -187,20 +219,6 @@ def _text(body: dict, key: str) -> str:
     if not isinstance(body[key], str):
         raise ValueError(f"{key} must be a string, got {type(body[key]).__name__}")
     return body[key]
-
-
-def refuse_non_finite(named: list[tuple[str, torch.Tensor]]) -> None:
-    """A NaN or an infinity in any floating tensor refuses the whole update, naming the tensor (one check
-    per tensor, all read back at once)."""
-    floats = [(n, t) for n, t in named if t.is_floating_point() or t.is_complex()]
-    if not floats:
-        return
-    finite = torch.stack([torch.isfinite(t).all() for _, t in floats]).tolist()
-    bad = [n for (n, _), ok in zip(floats, finite) if not ok]
-    if bad:
-        more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" if bad[1:] else ""
-        raise ValueError(f"weight {bad[0]!r} holds NaN or infinite values{more}: refused, the served weights are "
-                         f"unchanged")
 
 
 def _inside(path: Path, roots: list[Path]) -> bool:
@@ -236,8 +254,9 @@ def _safetensors(data: bytes, path: Path) -> list[tuple[str, torch.Tensor]]:
         raise ValueError(f"model_path: {path.name} is not a readable safetensors file ({e})") from None
 
 
-def _reply(fn):
-    """SGLang's weight replies: {"success", "message"}; a missing field or a refused update is a 400."""
+def _reply(fn, wrap: bool = True):
+    """SGLang's weight replies: {"success", "message"} (`wrap=False`: what `fn` returns, as JSON); a missing
+    field or a refused update is a 400."""
     async def handler(request: web.Request) -> web.Response:
         try:
             body = await request.json() if request.body_exists else {}
@@ -247,5 +266,5 @@ def _reply(fn):
         except (KeyError, TypeError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
             detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             return web.json_response({"success": False, "message": f"{request.path}: {detail}"}, status=400)
-        return web.json_response({"success": True, "message": message})
+        return web.json_response({"success": True, "message": message} if wrap else message)
     return handler

@@ -144,16 +144,78 @@ def deserialize_named_tensors(payload: str | bytes) -> list[tuple[str, torch.Ten
     return named
 
 
-def load_named_tensors(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
-    """Copy tensors into the model's parameters and buffers by state-dict name, in place (any subset: a
-    bucket carries part of the model). An unknown name or a wrong shape fails before anything is copied."""
-    targets = model.state_dict(keep_vars=True)
+def check_named_tensors(params: dict[str, torch.Tensor], named: list[tuple[str, torch.Tensor]]) -> None:
+    """Every tensor a parameter or buffer of the model (`params`: its state dict) by name, of its shape,
+    and finite; a ValueError names the first that is not."""
     for name, t in named:
-        if name not in targets:
+        if name not in params:
             raise ValueError(f"weight {name!r} is not a parameter of the served model")
-        if tuple(targets[name].shape) != tuple(t.shape):
+        if tuple(params[name].shape) != tuple(t.shape):
             raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} does not match the model's "
-                             f"{tuple(targets[name].shape)}")
-    with torch.no_grad():
+                             f"{tuple(params[name].shape)}")
+    refuse_non_finite(named)
+
+
+def refuse_non_finite(named: list[tuple[str, torch.Tensor]]) -> None:
+    """A NaN or an infinity in any floating tensor refuses the whole update, naming the tensor (one check
+    per tensor, all read back at once)."""
+    floats = [(n, t) for n, t in named if t.is_floating_point() or t.is_complex()]
+    if not floats:
+        return
+    finite = torch.stack([torch.isfinite(t).all() for _, t in floats]).tolist()
+    bad = [n for (n, _), ok in zip(floats, finite) if not ok]
+    if bad:
+        more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" if bad[1:] else ""
+        raise ValueError(f"weight {bad[0]!r} holds NaN or infinite values{more}: refused, the served weights are "
+                         f"unchanged")
+
+
+def check_full_update(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """A whole model's weights (the object-store channel's), checked before any is copied: every tensor of
+    the model's given (a tied head by the embedding alone, as learn/optim.served_names sends it), none
+    else, each of its shape and finite."""
+    params = model.state_dict(keep_vars=True)
+    given = [params[k] for k in state_dict if k in params]
+    missing = [n for n in params if n not in state_dict and not any(params[n] is g for g in given)]
+    unexpected = [n for n in state_dict if n not in params]
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the engine's model (missing {missing}, unexpected {unexpected})")
+    check_named_tensors(params, list(state_dict.items()))
+
+
+class StagedUpdate:
+    """The buckets of one update in a weight-update session, each checked as it arrives
+    (`check_named_tensors`) and held until `apply` copies them all into the model at once, so the model
+    never serves part of an update: a refused bucket drops the whole update and refuses the rest of it.
+
+    Memory: one copy of what the update carries (the whole model, for a full update) in host memory,
+    besides the model; on a GPU the device holds no more than the bucket being received, at the price of
+    a copy to the host per bucket and one back at `apply`. Staging on the device instead would need room
+    for the model twice (Qwen3-4B: 8 GB more in bf16), which a colocated server may not have."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = model.state_dict(keep_vars=True)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.refused = ""
+        """Why a bucket of this update was refused ("": none was)."""
+
+    def add(self, named: list[tuple[str, torch.Tensor]], copy: bool) -> None:
+        """Check one bucket and keep it (`copy`: the tensors are the sender's, handed over by handle, and
+        stay its own; else received into fresh memory that the stage can keep as it is)."""
+        if self.refused:
+            raise ValueError(f"an earlier bucket of this update was refused ({self.refused})")
+        try:
+            check_named_tensors(self.params, named)
+        except ValueError as e:
+            self.refused = str(e)
+            self.tensors.clear()
+            raise
         for name, t in named:
-            targets[name].data.copy_(t)
+            self.tensors[name] = t.to("cpu", copy=copy)
+
+    def apply(self) -> int:
+        """Copy every staged tensor into the model; returns how many there were."""
+        with torch.no_grad():
+            for name, t in self.tensors.items():
+                self.params[name].data.copy_(t)
+        return len(self.tensors)

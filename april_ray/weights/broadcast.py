@@ -13,10 +13,12 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from april_ray.engine.base import BadRequestError
+from april_ray.engine.weight_handoff import raise_first, weight_update
 from april_ray.engine.weight_sync import DEFAULT_GROUP, bucket_meta, buckets, comm_device
 from april_ray.process_groups import destroy_group, free_port, init_custom_process_group
 from april_ray.types import Delivery
-from april_ray.weights.servers import answers, raise_first, weight_update
+from april_ray.weights.servers import answers
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,9 @@ class BroadcastGroup:
     async def send(self, clients, named: list[tuple[str, torch.Tensor]], version: int, flush_cache: bool,
                    attempts: int = 2) -> list[str]:
         """Broadcast into every server of `clients` that answers; returns the URLs of those that loaded the
-        weights (none after `attempts` failed updates)."""
+        weights (none after `attempts` failed updates). A server's refusal (400: a tensor holds a NaN,
+        which every server refuses alike) raises `BadRequestError` naming the tensor; a server that refuses
+        drops the whole update."""
         try:
             for _ in range(attempts):
                 live = [c for c, ok in zip(clients, await asyncio.gather(*[answers(c) for c in clients])) if ok]
@@ -85,6 +89,8 @@ class BroadcastGroup:
                         await self.connect()
                     await self._send(named, version, flush_cache)
                     return self.urls
+                except BadRequestError:  # a server refused the weights (one holds a NaN): none loaded them
+                    raise
                 except RuntimeError as e:  # ServerError, ServerDied, gloo's error on a peer that died
                     log.warning("weight broadcast to %s failed (%s: %s); regrouping with the servers that answer",
                                 self.urls, type(e).__name__, str(e)[:300])
