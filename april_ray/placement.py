@@ -53,3 +53,56 @@ def plan(cfg: Config) -> Layout:
         return Layout([merged] * n, cfg.placement.strategy, list(range(n)), list(range(r)), 0.5)
     bundles = [engine_bundle(cfg)] * n + [learner_bundle(cfg)] * r
     return Layout(bundles, cfg.placement.strategy, list(range(n)), list(range(n, n + r)), 1.0)
+
+
+def total(resources: list[dict[str, float]]) -> dict[str, float]:
+    """The sum of each resource over `resources` (bundles, or nodes)."""
+    out: dict[str, float] = {}
+    for r in resources:
+        for k, v in r.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def holds(node: dict[str, float], bundle: dict[str, float]) -> bool:
+    """Whether a node of these resources can take `bundle`."""
+    return all(node.get(k, 0.0) >= v for k, v in bundle.items() if v > 0)
+
+
+def never_fits(bundles: list[dict[str, float]], strategy: str, nodes: list[dict[str, float]]) -> str | None:
+    """Why nodes of these total resources could never hold `bundles` under `strategy`, even with nothing else
+    running (None: they might). Only the sure cases, so that no job Ray could place is turned away: a
+    resource no node has, a bundle larger than every node, more asked than the nodes have in all,
+    STRICT_PACK's sum larger than every node, STRICT_SPREAD's bundles more than the nodes that take one each."""
+    asked, present = total(bundles), total(nodes)
+    absent = sorted(k for k, v in asked.items() if v > 0 and present.get(k, 0) == 0)
+    if absent:
+        return f"the cluster has no {', '.join(absent)}"
+    if strategy == "STRICT_PACK" and not any(holds(n, asked) for n in nodes):
+        return f"STRICT_PACK puts all of {asked} on one node, and no node has that much"
+    big = next((b for b in bundles if not any(holds(n, b) for n in nodes)), None)
+    if big is not None:
+        return f"no node has the {big} of one bundle"
+    over = {k: v for k, v in asked.items() if v > present.get(k, 0)}
+    if over:
+        return f"they ask for {over} in all and the cluster has {({k: present[k] for k in over})}"
+    if strategy == "STRICT_SPREAD" and spread(bundles, nodes) < len(bundles):
+        return (f"STRICT_SPREAD puts each of the {len(bundles)} bundles on a node of its own, and at most "
+                f"{spread(bundles, nodes)} nodes can take one each")
+    return None
+
+
+def spread(bundles: list[dict[str, float]], nodes: list[dict[str, float]]) -> int:
+    """How many of `bundles` can each have a node of its own (a maximum bipartite matching, by augmenting paths)."""
+    owner: dict[int, int] = {}  # node -> bundle
+
+    def assign(b: int, seen: set[int]) -> bool:
+        for n, node in enumerate(nodes):
+            if n not in seen and holds(node, bundles[b]):
+                seen.add(n)
+                if n not in owner or assign(owner[n], seen):
+                    owner[n] = b
+                    return True
+        return False
+
+    return sum(assign(b, set()) for b in range(len(bundles)))

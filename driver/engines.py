@@ -21,7 +21,6 @@ from typing import NamedTuple
 
 import ray
 from ray.exceptions import OutOfMemoryError, RayActorError
-from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from actors.engine_worker import EngineWorkerActor
@@ -30,6 +29,7 @@ from april_ray.config import Config
 from april_ray.placement import Layout, actor_resources
 from april_ray.engine.base import EngineFailure
 from april_ray.types import Delivery
+from driver.placement import place
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +85,7 @@ class EngineGroup:
               wait: bool = True) -> "EngineGroup":
         """The engine actors, placed; loaded and serving when this returns, unless `wait=False`: then they
         load meanwhile (the driver starts the learner ranks alongside) and `wait_loaded()` waits for them."""
-        check_resources(layout)
-        pg = placement_group(layout.bundles, strategy=layout.strategy)
-        if not pg.wait(timeout_s):
-            raise RuntimeError(f"placement group {layout.bundles} ({layout.strategy}) could not be placed within "
-                               f"{timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}")
+        pg = place(layout, timeout_s)
         journal = start_journal(cfg)
         actors = [
             EngineWorkerActor.options(
@@ -287,20 +283,3 @@ def settle(refs: list, timeout_s: float | None = None) -> list:
         except ray.exceptions.GetTimeoutError as e:
             out.append(e)
     return out
-
-
-def check_resources(layout: Layout) -> None:
-    """Fail at once, naming what was asked and what is there, when the cluster has none of a resource the
-    placement needs (an SGLang engine on a cluster without GPUs), instead of waiting for a placement that
-    cannot happen. A resource that is only short may still come (an autoscaler adds nodes)."""
-    asked: dict[str, float] = {}
-    for bundle in layout.bundles:
-        for k, v in bundle.items():
-            asked[k] = asked.get(k, 0.0) + v
-    present = ray.cluster_resources()
-    missing = sorted(k for k, v in asked.items() if v > 0 and present.get(k, 0) == 0)
-    if missing:
-        raise RuntimeError(f"the placement asks for {asked} ({len(layout.bundles)} bundles: {layout.bundles}) but "
-                           f"the cluster has no {', '.join(missing)}: it has "
-                           f"{ {k: v for k, v in present.items() if not k.startswith('node:')} }. Use a cluster "
-                           "with GPUs, or engine.backend=cpu_http with placement.engine_gpus=0 (our CPU server)")

@@ -47,7 +47,8 @@ def get(url: str, timeout: float = 5) -> str:
 @contextlib.contextmanager
 def local_head(log_path: Path, num_cpus: int = 8, up_s: float = 240, export_interval_ms: int = 1000):
     """`ray start --head --block` on 127.0.0.1 with free ports and its own temp dir, so no other
-    `ray.init()` on the machine finds it; yields {"dashboard": port, "metrics": port, "temp_dir": path}
+    `ray.init()` on the machine finds it; yields {"dashboard": port, "metrics": port, "temp_dir": path,
+    "gcs": its address}
     (its nodes export their metrics every `export_interval_ms`). Leaving stops the
     command, and Ray's reaper stops what it started: never `ray stop`, which ends every Ray here."""
     gcs, dashboard, metrics, agent, client = free_ports(5)
@@ -74,7 +75,7 @@ def local_head(log_path: Path, num_cpus: int = 8, up_s: float = 240, export_inte
                     if time.time() > deadline:
                         raise RuntimeError(f"the dashboard did not answer within {up_s:.0f}s") from None
                     time.sleep(1)
-            yield {"dashboard": dashboard, "metrics": metrics, "temp_dir": temp_dir}
+            yield {"dashboard": dashboard, "metrics": metrics, "temp_dir": temp_dir, "gcs": f"127.0.0.1:{gcs}"}
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
