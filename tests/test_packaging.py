@@ -8,7 +8,8 @@ import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIP = (".venv", ".git", "outputs", "wandb", "__pycache__", "*.egg-info", "build", ".pytest_cache", "tests")
+SKIP = (".venv", ".git", ".gpu_bundle", "outputs", "wandb", "__pycache__", "*.egg-info", "build", ".pytest_cache",
+        "tests")
 
 
 def packages(root: Path) -> set[str]:
