@@ -1,7 +1,8 @@
 """ToolJournal actor: the job's record of episode tool results (april_ray/rollout/episode.py), one per job.
 
 Ray restarts it (`max_restarts`); a restarted one reads its file back, so a result recorded once is never
-lost while the job's output directory lives. It runs on the driver's node and watches the driver's process:
+lost while the job's output directory lives, and the calls its death cut off are sent again
+(`max_task_retries`: `begin` only reads, and `put` of a key already in the file does nothing). It runs on the driver's node and watches the driver's process:
 once the driver is gone (killed, say), it refuses every new tool call (`ToolCallsStopped` in the episode),
 so engines that outlive their driver by the moment Ray takes to notice start no tool; a call already
 running finishes, and its result is still journaled while this process lives.
@@ -34,7 +35,7 @@ class ProcessWatch:
             return False
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class ToolJournalActor:
     def __init__(self, path: str, driver_pid: int | None = None):
         """`driver_pid`: the job's driver, on this node: no new call starts once it is gone."""

@@ -303,7 +303,9 @@ class StepMetrics:
                 self.accuracy.set(metrics[f"eval/accuracy_{kind}"], tags={"kind": kind})
 
 
-MetricsActor = ray.remote(num_cpus=0)(StepMetrics)
+# Ray restarts it and sends it again the calls its death cut off: its gauges are set again at the next step,
+# and its counters start over (a Prometheus `rate` takes a counter's reset in its stride).
+MetricsActor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(StepMetrics)
 
 
 class DriverMetrics:

@@ -79,6 +79,10 @@ class CompletionMonitorActor:
         self.metrics.record(result.metrics, result.staleness, self.monitor.alive)
         return result
 
+    async def run_id(self) -> str:
+        """The first part of every step token this monitor sends the engines (driver/rollout.py's `abandon`)."""
+        return self.monitor.run_id
+
     async def revive(self, engines: list[int]) -> None:
         """Engines restarted and brought to the current weights by the driver (driver/engines.py)."""
         self.monitor.revive(engines)

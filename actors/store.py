@@ -23,11 +23,11 @@ from april_ray.rollout.store import PartialRolloutStore, held, resolve_groups
 from april_ray.types import Group, HeldGroup
 
 
-def _fetch(groups):
+def _fetch(groups, reward_errors: dict | None = None):
     # One batched get, not an await per ref: a step stores ~250 samples. The actor is
     # synchronous for this: its calls come one at a time from the monitor anyway.
     values = iter(fetch([s for g in groups for s in g.samples]))
-    return resolve_groups(groups, lambda _: next(values))
+    return resolve_groups(groups, lambda _: next(values), reward_errors)
 
 
 def _held(groups: list[Group]) -> tuple[list[HeldGroup], list]:
@@ -48,11 +48,12 @@ class StoreActor:
         self.store = PartialRolloutStore(staleness)
         self.metrics = StoreMetrics()
 
-    def put_partial(self, groups) -> None:
-        self.store.put_partial(_fetch(groups))
+    def put_partial(self, groups, reward_errors: dict | None = None) -> None:
+        """`reward_errors`: by sample id, each finished sample's from its meta (kept with the sample)."""
+        self.store.put_partial(_fetch(groups, reward_errors))
 
-    def put_complete(self, groups) -> None:
-        self.store.put_complete(_fetch(groups))
+    def put_complete(self, groups, reward_errors: dict | None = None) -> None:
+        self.store.put_complete(_fetch(groups, reward_errors))
 
     @ray.method(num_returns=2)
     def take_complete(self) -> tuple[list[HeldGroup], list]:

@@ -52,6 +52,12 @@ def probability(default):
     return _rule(default, "in (0, 1]", lambda v: 0 < v <= 1)
 
 
+def gpu_count(default):
+    """Whole GPUs, or a share of one below 1 (bundles that share a device: Ray's fractional GPUs)."""
+    return _rule(default, "an integer >= 0, or a fraction in (0, 1)",
+                 lambda v: (isinstance(v, int) and v >= 0) or 0 < v < 1)
+
+
 @dataclass
 class ModelConfig:
     path: str = ""
@@ -159,7 +165,8 @@ class EngineConfig:
     backend: str = one_of("cpu", "cpu", "cpu_http", "sglang")
     """cpu: our continuous-batching engine inside each engine actor. cpu_http: our engine in a server of its
     own (april_ray/engine/http_server.py) spoken to over SGLang's HTTP API, on CPU: the GPU path's client,
-    aborts, pauses, keys and weight channels on a laptop. sglang: `sglang.launch_server` on the actor's GPUs
+    aborts, pauses, keys and weight channels on a laptop. Both run on the GPU an engine is placed with
+    (placement.engine_gpus), if any. sglang: `sglang.launch_server` on the actor's GPUs
     (the `sglang` extra). The last two are the server backends."""
     num_engines: int = positive(2)
     """Engine actors (each one an inference server with its own batch)."""
@@ -262,6 +269,15 @@ class RolloutConfig:
     that lets it through fails: its group is dropped, not trained)."""
     episode_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments every call of `episode_fn` gets after the handle (an environment's settings)."""
+    agent_fn: str = _rule("", "empty or module:function", lambda v: not v or v.count(":") == 1)
+    """Any agent, unchanged: `async def agent(base_url, api_key, row, **agent_kwargs) -> float | None`, run
+    per sample against an OpenAI-compatible endpoint of its engine (april_ray/rollout/agent_endpoint.py).
+    Set either this or episode_fn."""
+    agent_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments every call of `agent_fn` gets after (base_url, api_key, row)."""
+    agent_park_s: float = positive(600.0)
+    """An agent whose open request an abort cut waits this long for its sample to be resumed on its engine;
+    past it the agent is cancelled, and the sample's next run starts it again (served its recorded turns)."""
     max_turns: int = non_negative(0)
     """An episode's model turns at most: a `generate` past the last one returns "" with finish reason
     LENGTH. 0: no limit."""
@@ -368,8 +384,8 @@ class LearnerConfig:
     """Optimiser steps per rollout batch (PPO mini-batches, samples shuffled). Above 1, the step starts with
     one no-grad forward for the proximal policy's logprobs, which the clipped ratio is taken against."""
     num_threads: int = positive(2)
-    gpus: int = non_negative(0)
-    """GPUs per learner rank."""
+    gpus: int | float = gpu_count(0)
+    """GPUs per learner rank; a fraction below 1 shares one (placement.engine_gpus)."""
     cpus: float = non_negative(1.0)
     dtype: str = one_of("auto", "auto", "float32", "bfloat16")
     """Weights and activations: bfloat16 keeps fp32 master weights and optimiser states (DeepSpeed's bf16
@@ -398,6 +414,11 @@ class TrainConfig:
     num_steps: int = positive(60)
     eval_every: int = positive(10)
     save_every: int = positive(20)
+    max_restores: int = non_negative(8)
+    """How many times the job restores itself in place to its newest checkpoint when an actor other than an
+    engine dies (a learner rank, the completion monitor, the store, the prompt source: driver/restore.py);
+    one more such death stops it, naming the command that resumes it (a crash loop ends there). 0: the
+    first one stops it."""
     resume: bool = False
     """Continue from the latest checkpoint in output_dir (policy, optimizer, cursor, store, version). false: a
     new run; an earlier run's files in output_dir are moved to output_dir/runs/<its run id> first."""
@@ -414,6 +435,10 @@ class TrainConfig:
     flight (a sample's tokens may span versions; each keeps its own). Needs rollout.schedule=april, engines
     apart from the learner (placement.colocate=false) and staleness.max_versions >= 1. The step before each
     checkpoint and the last step drain the rollout as a synchronous step does."""
+    overlap_ahead: int = positive(1)
+    """With train.overlap: how many batches the engines may run ahead of the learner (the steps asked for
+    before the learner's batch is waited for). At most staleness.max_versions (unless staleness.policy=keep):
+    a batch asked k steps ahead is trained k versions after its first tokens were sampled."""
     seed: int = 0
     """The run's seed: offsets the learner's (mini-batch order, torch) and the prompt order's seeds; the task's
     data stays task.seed's and the engines sample with engine.seed (jobs.bench.train sets both per seed)."""
@@ -464,8 +489,10 @@ class PlacementConfig:
 
     strategy: str = one_of("PACK", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
     """Ray placement-group strategy."""
-    engine_gpus: int = non_negative(0)
-    """GPUs per engine (its tensor-parallel size); 0 on CPU."""
+    engine_gpus: int | float = gpu_count(0)
+    """GPUs per engine (its tensor-parallel size); 0 on CPU. A fraction below 1 shares one GPU with other
+    bundles: placement.engine_gpus=0.5 learner.gpus=0.5 puts a disaggregated engine and learner on one device.
+    Our engine (engine.backend cpu or cpu_http) runs on the GPU it is placed with."""
     engine_cpus: float = positive(1.0)
     colocate: bool = False
     """true: learner rank i shares engine i's bundle (GPUs time-shared between rollout and training).
@@ -532,6 +559,9 @@ def _check_overlap(cfg: Config) -> None:
     """What the overlapped mode needs: the learner's GPUs apart from the engines', the APRIL schedule, and
     room in the staleness bound for the tokens sampled before an update that lands mid-sample."""
     if not cfg.train.overlap:
+        if cfg.train.overlap_ahead != 1:
+            raise ConfigError(f"train.overlap_ahead: {cfg.train.overlap_ahead} steps ahead needs the overlapped "
+                              f"mode (train.overlap=true); without it the rollout never runs ahead")
         return
     if cfg.placement.colocate:
         raise ConfigError("train.overlap: a colocated layout (placement.colocate=true) trains on the engines' "
@@ -542,6 +572,10 @@ def _check_overlap(cfg: Config) -> None:
     if cfg.staleness.max_versions < 1 and cfg.staleness.policy != "keep":
         raise ConfigError("staleness.max_versions: the overlapped mode (train.overlap=true) trains tokens sampled "
                           "one version before the learner's; needs staleness.max_versions >= 1")
+    if cfg.train.overlap_ahead > cfg.staleness.max_versions and cfg.staleness.policy != "keep":
+        raise ConfigError(f"train.overlap_ahead: {cfg.train.overlap_ahead} steps ahead trains tokens that many "
+                          f"versions old, past staleness.max_versions={cfg.staleness.max_versions}; lower it or "
+                          f"raise staleness.max_versions")
 
 
 def _check_task(cfg: Config) -> None:
@@ -562,6 +596,9 @@ def _check_task(cfg: Config) -> None:
                           "(prompts, responses, answers, metadatas) -> list[float]")
     if cfg.task.reward_fn and ":" not in cfg.task.reward_fn:
         raise ConfigError(f"task.reward_fn: expected module:function, got {cfg.task.reward_fn!r}")
+    if cfg.rollout.agent_fn and cfg.rollout.episode_fn:
+        raise ConfigError(f"rollout.agent_fn: set either it or rollout.episode_fn ({cfg.rollout.episode_fn!r}), "
+                          "not both in one place (one given on the command line replaces the other from the YAML)")
     for name, dataset in cfg.eval.datasets.items():
         if not name.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"eval.datasets.{name}: a name of letters, digits, - and _ (it names the metrics)")
@@ -693,8 +730,21 @@ def load_structured(schema, path: str | None = None, overrides: list[str] | tupl
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """`load_structured` on `Config`, then the rules that relate two keys (the two together: `validate`)."""
     cfg = load_structured(Config, path, overrides)
+    _one_way_to_run_a_sample(cfg.rollout, overrides)
     _check_across(cfg)
     return cfg
+
+
+def _one_way_to_run_a_sample(rollout: RolloutConfig, overrides) -> None:
+    """A command-line `rollout.agent_fn` replaces the YAML's `rollout.episode_fn`, and the other way round
+    (`--config configs/tiny_agent_cpu.yaml rollout.agent_fn=...` runs the agent); both given in one place stay
+    an error (`_check_task`)."""
+    given = {o.split("=", 1)[0].strip().lstrip("+~") for o in overrides}
+    if rollout.agent_fn and rollout.episode_fn:
+        if "rollout.agent_fn" in given and "rollout.episode_fn" not in given:
+            rollout.episode_fn = ""
+        elif "rollout.episode_fn" in given and "rollout.agent_fn" not in given:
+            rollout.agent_fn = ""
 
 
 def to_yaml(cfg: Config) -> str:

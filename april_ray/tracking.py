@@ -135,6 +135,14 @@ class Tracker:
         if advance:
             self.bar.update(1)
 
+    def cut_back(self, out_dir: Path, last_step: int) -> None:
+        """Drop the step rows after `last_step` from the step logs (a job restored in place to a checkpoint
+        redoes those steps) and go on appending after it."""
+        self.file.close()
+        truncate_step_logs(out_dir, last_step)
+        self.file = open(out_dir / "metrics.jsonl", "a")
+        self.bar.n = last_step + 1
+
     def close(self) -> None:
         self.bar.close()
         self.file.close()

@@ -93,6 +93,12 @@ class EngineStats:
     tool_errors: int = 0
     tool_s: float = 0.0
     tool_replays: int = 0
+    agent_requests: int = 0
+    """`rollout.agent_fn`'s requests since the last drain; of them those resumed after an abort, those that
+    started a new segment, and those refused with a 4xx (`AgentStats`, filled in by `EngineWorker.stats`)."""
+    agent_resumed: int = 0
+    agent_mismatch: int = 0
+    agent_errors: int = 0
 
 
 class SampleState(str, enum.Enum):
@@ -134,6 +140,9 @@ class Sample:
     num_resumes: int = 0
     num_discarded_tokens: int = 0
     """Tokens dropped by a staleness restart (accounted, so generated = kept + discarded)."""
+    reward_error: str | None = None
+    """Why its reward call failed (`SampleMeta.reward_error`), kept once it waits in the store: what the
+    monitor reads of it there, and in a checkpoint, is the meta the engine returned."""
 
     @property
     def num_model_tokens(self) -> int:

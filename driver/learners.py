@@ -4,23 +4,19 @@ bundles (or sharing the engines' bundles when colocated).
 A publish hands the ranks the engines' servers; each rank sends its weights through the job's one channel
 (`april_ray.weights`, chosen once per rank) and the engines adopt what was delivered
 (`EngineGroup.adopt`). An engine that is dead or restarting is left out and the job goes on: only a
-learner's own death is a learner death. An engine left out is brought to the published weights through
+learner's own death is a learner death (driver/restore.py restores the job in place). An engine left out is brought to the published weights through
 the object store once it answers (`EngineGroup.catch_up`, from `LearnerGroup.weights_ref`).
 """
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
-from pathlib import Path
 
 import ray
-from ray.exceptions import OutOfMemoryError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.learner import LearnerActor
 from april_ray.config import Config
 from april_ray.placement import actor_resources
-from driver.checkpoint import named_by_latest
 from driver.engines import disk_weights_dir
 
 log = logging.getLogger(__name__)
@@ -30,29 +26,6 @@ log = logging.getLogger(__name__)
 # other jobs) a spinning thread burns the time slice its partner needs, and 2-thread steps of the tiny model
 # took 20-40x longer than 1-thread ones (BENCHMARKS.md, step breakdown). Set before torch loads in the actor.
 LEARNER_ENV = {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
-
-
-class LearnerDied(RuntimeError):
-    pass
-
-
-def learner_died(out: Path, step: int, error: Exception) -> LearnerDied:
-    """The policy and optimiser state since the last checkpoint live only in the ranks (a surviving ZeRO
-    rank holds a part of the optimiser state, and its collectives would wait for the dead one), so no
-    newer consistent checkpoint can be written: the last one, with its store and cursor, is where to go on."""
-    ckpt = named_by_latest(out)
-    where = f"from {ckpt}" if ckpt else "from the start (no checkpoint yet)"
-    return LearnerDied(f"step {step}: a learner rank died ({type(error).__name__}: {str(error)[:300]}). The job "
-                       f"stops; `train.resume=true` goes on {where}, redoing the steps after it")
-
-
-@contextmanager
-def stop_if_a_rank_dies(out: Path, step: int):
-    """A learner rank's process that dies (or Ray's OOM killer ends) stops the job with `LearnerDied`."""
-    try:
-        yield
-    except (RayActorError, OutOfMemoryError) as e:
-        raise learner_died(out, step, e) from e
 
 
 class LearnerGroup:

@@ -3,7 +3,7 @@
 One row per step, written before that step's checkpoint (so a resumed run never lacks the rows of the
 steps it kept): the group ids returned for training with their sample ids, the groups the dynamic filter
 dropped with the reason (or as `episode_error`, each raising sample's error in `episode_errors`), those
-the over-provisioned baseline discarded, the trained tokens by age, and the engine crashes the monitor saw.
+the over-provisioned baseline discarded, the trained tokens by age, and the engine crashes the monitor saw, and when the row was written.
 A last row, `"end": true`, holds the prompt source's cursor and the ids of the groups left in the store.
 Together they account for every group taken from the source: returned, dropped, discarded or stored
 (`check_records`, which the chaos job runs). A step of the overlapped mode also names the groups it left
@@ -93,7 +93,7 @@ class GroupLog:
             "max_versions": self.staleness.max_versions, "policy": self.staleness.policy,
             "max_trained_staleness": self.staleness.oldest_trained(batch.staleness),
             "engine_crashes": batch.metrics.get("rollout/engine_crashes", 0),
-            "crash_tokens_lost": batch.metrics.get("rollout/crash_tokens_lost", 0)})
+            "crash_tokens_lost": batch.metrics.get("rollout/crash_tokens_lost", 0), "time": time.time()})
 
     def end(self, step: int, source_state: dict, store_state: dict) -> None:
         self._write({"step": step, "end": True, "source": source_state,

@@ -20,6 +20,8 @@ class RolloutGroup:
     store: object
     monitor: object
     engines: EngineGroup
+    run_id: str
+    """The monitor's step tokens are (run_id, step): what `abandon` closes on the engines once it is gone."""
     ahead: dict = field(default_factory=dict)
     """Overlapped mode: the rollout step asked for before its turn, by step."""
 
@@ -28,24 +30,27 @@ class RolloutGroup:
         source = start_source(cfg, model_path, train_path)
         ray.get(source.num_groups_taken.remote())  # a bad dataset row stops the job here, named by file and line
         store = StoreActor.remote(cfg.staleness)
-        return cls(source, store, start_monitor(cfg, engines, source, store), engines)
+        monitor = start_monitor(cfg, engines, source, store)
+        return cls(source, store, monitor, engines, ray.get(monitor.run_id.remote()))
 
     def step(self, step: int, version: int, keep_running: bool = False):
         """One rollout step, started and waited for: a `StepResult` of sample refs."""
         return self.result(self.begin(step, version, keep_running))
 
     def batch(self, step: int, version: int, train: TrainConfig):
-        """The batch `step` trains at `version`. Overlapped (train.overlap, unless a checkpoint or the end
-        follows `step`): the next step's rollout is asked for before this batch is waited for, so it runs
-        while this batch trains, and it goes on with this step's running groups. One step ahead, no more:
-        the batch after it is asked for only once this one trains, and a step that ends with none asked
-        after it stops its groups (`CompletionMonitor.step`), so the engines never generate for a batch
-        more than one version ahead of the learner; what spills over into later steps is held to
-        staleness.max_versions per token when trained. (A deeper look-ahead kept the engines as busy on
-        two shared cores and masked up to 87% of a batch's tokens as too old: BENCHMARKS.md.)"""
+        """The batch `step` trains at `version`. Overlapped (train.overlap): before this batch is waited for,
+        the steps up to train.overlap_ahead beyond it are asked for (`asked_ahead`), each to be trained one
+        version after the one before it, so they run while this batch trains and go on with the running
+        groups. No further: the step after them is asked for only once this batch trains, and a step that
+        ends with none asked after it stops its groups (`CompletionMonitor.step`), so the engines never
+        generate for a batch more than overlap_ahead versions ahead of the learner; what spills over into
+        later steps is held to staleness.max_versions per token when trained. (Four steps ahead masked
+        55-72% of the trained tokens as too old, late accuracy 7.4 points below sync's, hence one by
+        default: BENCHMARKS.md.)"""
         started = self.ahead.pop(step, None) or self.begin(step, version, overlaps(train, step))
-        if overlaps(train, step):
-            self.ahead[step + 1] = self.begin(step + 1, version + 1, overlaps(train, step + 1), after=step)
+        for later in asked_ahead(train, step):
+            if later not in self.ahead:
+                self.ahead[later] = self.begin(later, version + later - step, overlaps(train, later), after=later - 1)
         return self.result(started)
 
     def begin(self, step: int, version: int, keep_running: bool = False, after: int | None = None):
@@ -68,6 +73,16 @@ class RolloutGroup:
                 ray.wait([ref], timeout=poll_s)
         return ray.get(ref)
 
+    def abandon(self, first_step: int, last_step: int, timeout_s: float = 30) -> None:
+        """Stop on the engines every call this rollout's monitor sent for steps `first_step`..`last_step`
+        (and those asked ahead): their step tokens closed, so none of them starts again, and every request
+        aborted. The monitor is gone or being replaced: nobody would collect what they generate."""
+        last = max([last_step + 1, *self.ahead])
+        tokens = [(self.run_id, s) for s in range(first_step, last + 1)]
+        calls = [a.abort_all.remote(t) for a in self.engines.actors for t in tokens]
+        calls += [a.abort_engine.remote() for a in self.engines.actors]
+        ray.wait(calls, num_returns=len(calls), timeout=timeout_s)  # a dead engine's fail: it runs nothing
+
     def shutdown(self) -> None:
         for actor in (self.source, self.store, self.monitor):
             ray.kill(actor)
@@ -85,6 +100,18 @@ def start_monitor(cfg: Config, engines: EngineGroup, source, store):
     """The completion monitor of `cfg`'s rollout over `engines`, drawing from `source` and `store`."""
     return CompletionMonitorActor.remote(cfg.rollout, cfg.staleness, engines.actors, engines.capacities, source,
                                          store, reward_per_group=cfg.task.reward_per_group)
+
+
+def asked_ahead(train: TrainConfig, step: int) -> list[int]:
+    """The steps asked for before `step`'s batch is waited for: up to train.overlap_ahead beyond it, each
+    while the step before it keeps its groups running (`overlaps`), so never past the step before a
+    checkpoint nor past the last; none outside the overlapped mode."""
+    later = []
+    for ahead in range(step + 1, step + 1 + train.overlap_ahead):
+        if not overlaps(train, ahead - 1):
+            break
+        later.append(ahead)
+    return later
 
 
 def overlaps(train: TrainConfig, step: int) -> bool:

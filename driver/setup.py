@@ -1,17 +1,27 @@
 """What a job computes once at its start and passes down: the policy directory, the dataset files, the
-placement plan, and the held-out evaluation items; and the start of a training job's output directory, in
-the order that keeps another job's files whole (`open_output`)."""
+placement plan, and the held-out evaluation items; the start of a training job's output directory, in
+the order that keeps another job's files whole (`open_output`); and the job's actors brought up
+(`start_run`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+import ray
 
 from april_ray.config import Config, to_yaml
 from april_ray.placement import Layout, plan
 from april_ray.plugins import check_plugins
 from april_ray.task.data import dataset_paths, fit_context, read_examples
 from april_ray.task.embedded_model import ensure_model
+from april_ray.tracking import truncate_step_logs
+from driver.checkpoint import restore_checkpoint
+from driver.cluster import init_ray
+from driver.engines import EngineGroup
+from driver.evaluator import Evaluator
+from driver.learners import LearnerGroup
 from driver.output_dir import OutputLock, current_run, new_run_id, open_run
+from driver.rollout import RolloutGroup
 
 
 @dataclass(frozen=True)
@@ -82,3 +92,50 @@ def open_output(cfg: Config) -> Output:
         lock.release()
         raise
     return Output(out, lock, inputs, ckpt)
+
+
+@dataclass
+class Run:
+    """A job's actors and where it writes, as `start_run` brings them up (`driver/restore.py` replaces the
+    rollout and the learners when one of them dies)."""
+    out: Path
+    inputs: JobInputs
+    engines: EngineGroup
+    rollout: RolloutGroup
+    learners: LearnerGroup
+    evaluator: Evaluator
+    start: int    # the first step to run
+    version: int  # the policy version the engines serve
+    resumed: bool
+    lock: OutputLock  # train.output_dir, this job's alone until it ends
+
+    def shutdown(self) -> None:
+        for actors in (self.rollout, self.engines, self.learners):
+            actors.shutdown()
+        self.lock.release()
+
+
+def start_run(cfg: Config) -> Run:
+    """Bring the job's actors up. A fresh run first moves an earlier run's files to runs/; a resumed run
+    restores its newest checkpoint and drops the step rows logged after it (those steps are redone)."""
+    output = open_output(cfg)  # held for this job alone; model, data and plan checked before a file moves
+    out, job, ckpt = output.path, output.inputs, output.checkpoint
+    if not ray.is_initialized():
+        init_ray(job.layout, cfg.logging)
+
+    # The engines load while the prompt source reads the dataset and the learner ranks set up, unless they
+    # share GPUs: an engine sizes its KV cache from the memory free when it loads.
+    engines = EngineGroup.start(cfg, job.model_path, job.layout, wait=job.layout.colocated)
+    rollout = RolloutGroup.start(cfg, job.model_path, job.train_path, engines)
+    learners = LearnerGroup(cfg, job.model_path, engines)
+    engines.wait_loaded()
+    engines.take_weights_from(learners.weights_ref)  # how a restarted engine is caught up
+    evaluator = Evaluator(cfg, engines, job.model_path, job.eval_path)
+    start, version = 0, 0
+    if ckpt is not None:
+        start, version = restore_checkpoint(ckpt, learners, rollout, engines)
+        print(f"resumed from {ckpt}: step {start}, policy version {version}")
+    if cfg.train.resume:
+        truncate_step_logs(out, start - 1)
+    return Run(out, job, engines, rollout, learners, evaluator, start, version, resumed=ckpt is not None,
+               lock=output.lock)

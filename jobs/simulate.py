@@ -171,7 +171,7 @@ def run_overlap(cfg, sim: SimulateConfig, gpus: int, engine_gpus: int, factor: f
     t0 = time.process_time()
     out = overlap.run_overlap(setting, rollout, n, rollout.over_sampling_batch_size, sim.warmup_steps + sim.steps,
                               sim.warmup_steps, study.learner_s_on(cfg, sim, gpus - engine_gpus, 1.0),
-                              study.weight_sync_s(cfg, sim), ceiling)
+                              study.weight_sync_s(cfg, sim), ceiling, cfg.train.overlap_ahead)
     return out | {"engines": engine_gpus, "learner": gpus - engine_gpus, "sim_cpu_s": time.process_time() - t0}
 
 

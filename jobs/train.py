@@ -44,7 +44,9 @@ def users_error(e: Exception) -> str | None:
     raised here or in an actor (whose error arrives wrapped by Ray, its traceback in the message)."""
     import ray.exceptions
 
-    if isinstance(e, OutputDirBusy):
+    from driver.restore import JobStopped
+
+    if isinstance(e, (OutputDirBusy, JobStopped)):
         return str(e)
     if isinstance(e, ray.exceptions.RayTaskError):
         cause = e.cause

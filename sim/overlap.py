@@ -6,12 +6,12 @@ store and `EngineWorker`s (`sim.cluster.Schedule`) driven as `driver/train.py` d
 Each step's batch comes from `CompletionMonitor.step(step, version, keep_running=True)`: it returns at its
 N-th complete group without an interrupt, and its other groups go on generating into the next step. The
 steps are asked for as `RolloutGroup.batch` (driver/rollout.py) asks: before waiting for step k's batch,
-step k + 1 is asked, to be trained at version V_k + 1; the monitor runs the steps one at a time, back to
-back, so the engines run at most one batch ahead of the learner. When they are that far ahead, step k + 1
-keeps no group running (none is asked after it): it interrupts and stores them, as the monitor does in
-the job, and the engines wait until the learner takes the next batch (that look-ahead is the admission
-rule modelled; no other one). As in the job, the last step drains; no checkpoint is
-simulated.
+steps k + 1 .. k + `ahead` (train.overlap_ahead), step k + j to be trained at version V_k + j; the monitor
+runs the steps one at a time, back to back, so the engines run at most `ahead` batches ahead of the
+learner. When they are that far ahead, step k + `ahead` keeps no group running (none is asked after it):
+it interrupts and stores them, as the monitor does in the job, and the engines wait until the learner
+takes the next batch (that look-ahead is the admission rule modelled; no other one). As in the job, the
+last step drains; no checkpoint is simulated.
 
 The learner, beside the monitor on the same clock, trains step k's batch at version k for the learner time
 of its tokens (prompt + response) on its G - E GPUs (`study.learner_s_on`), spends one weight sync
@@ -50,11 +50,11 @@ def splits(gpus: int, gpus_per_engine: int = 1) -> list[dict]:
     return out
 
 
-def asked_ahead(step: int, last: int) -> list[int]:
+def asked_ahead(step: int, last: int, ahead: int = 1) -> list[int]:
     """The steps `RolloutGroup.batch` asks for before it waits for `step`'s batch (driver/rollout.py): the
-    next one, while `step` keeps its groups running (`overlaps`: every step but the last, no checkpoint
-    here)."""
-    return [step + 1] if step < last else []
+    next `ahead` ones, while the step before each keeps its groups running (`overlaps`: every step but the
+    last, no checkpoint here)."""
+    return list(range(step + 1, min(step + ahead, last) + 1))
 
 
 @dataclasses.dataclass
@@ -92,11 +92,12 @@ class Checks:
 
 
 def run_overlap(setting: Setting, rollout, batch: int, n_prime: int, batches: int, warmup: int,
-                learner_s_per_token: float, weight_sync_s: float, ceiling: float) -> dict:
+                learner_s_per_token: float, weight_sync_s: float, ceiling: float, ahead: int = 1) -> dict:
     """The overlapped mode on `setting`'s engines: `batches` learner steps of `batch` groups, N' =
     `n_prime` groups in flight while a step collects, the first `warmup` steps not measured.
     `learner_s_per_token`: the learner's seconds per train token (prompt + response) on its share of the
-    GPUs. Figures over the measured steps."""
+    GPUs; `ahead`: the batches the engines may run ahead of the learner (train.overlap_ahead). Figures over
+    the measured steps."""
     block = setting.workload.block
     rollout = dataclasses.replace(rollout, schedule="april", rollout_batch_size=batch, over_sampling_batch_size=n_prime)
 
@@ -125,7 +126,7 @@ def run_overlap(setting: Setting, rollout, batch: int, n_prime: int, batches: in
         version = 0
         for k in range(batches):  # driver/train.py's loop: the batch, the learner's step, the weights out
             started = asked.pop(k, None) or ask(k, version)
-            for j in asked_ahead(k, batches - 1):
+            for j in asked_ahead(k, batches - 1, ahead):
                 if j not in asked:
                     asked[j] = ask(j, version + j - k)
             ready = started.done()  # the rollout was ahead: the learner did not wait for this batch

@@ -170,8 +170,8 @@ def assumptions(cfg: Config, sim: SimulateConfig, setting: Setting) -> dict:
         "step": "step_s = rollout + learner + weight sync, one after the other (the job is synchronous)",
         "overlap": "sim/overlap.py: the job's own loop with train.overlap on E engines: the real CompletionMonitor's "
                    "steps with keep_running (each returns at its N-th complete group, no abort, its other groups "
-                   "go on into the next step), asked ahead as RolloutGroup.batch asks (up to max(1, "
-                   "staleness.max_versions) steps beyond the one the learner trains, each trained at its version), "
+                   "go on into the next step), asked ahead as RolloutGroup.batch asks (train.overlap_ahead steps "
+                   "beyond the one the learner trains, each trained at its version), "
                    "N' in flight while a step collects (N and N' those of the G-GPU job, so each of the E engines "
                    "carries G/E times the config's load); the learner on the other G - E GPUs (learner formula on "
                    "G - E GPUs) trains each batch, spends one weight sync, and publishes the next version, which "

@@ -140,14 +140,3 @@ def test_chaos_engine_kills_lose_and_repeat_nothing(request, run):
     assert r["lost_samples"] == 0 and r["duplicated_samples"] == 0 and r["unknown_groups"] == 0
     assert r["max_trained_staleness"] <= r["staleness_bound"] == 1
     assert r["engine_restarts"] >= 1
-
-
-def test_a_dead_learner_rank_names_the_checkpoint_to_resume_from(tmp_path):
-    from driver.learners import learner_died
-
-    err = learner_died(tmp_path, 7, RuntimeError("rank 0 exited"))
-    assert "step 7" in str(err) and "from the start (no checkpoint yet)" in str(err)
-    (tmp_path / "ckpt-000004").mkdir()
-    (tmp_path / "latest").write_text("ckpt-000004\n")
-    err = learner_died(tmp_path, 7, RuntimeError("rank 0 exited"))
-    assert f"train.resume=true` goes on from {tmp_path / 'ckpt-000004'}" in str(err) and "rank 0 exited" in str(err)

@@ -30,11 +30,17 @@ def test_the_splits_give_the_learner_a_halving_share_in_whole_engines():
 
 
 def test_the_steps_asked_ahead_are_those_of_the_job():
-    """As RolloutGroup.batch: before step k's batch is waited for, step k + 1, none past the last (the one
-    that drains)."""
+    """As RolloutGroup.batch: before step k's batch is waited for, steps k + 1 .. k + train.overlap_ahead,
+    none past the last (the one that drains)."""
+    from april_ray.config import load_config
+    from driver.rollout import asked_ahead as asked_by_the_job
     from sim.overlap import asked_ahead
 
     assert asked_ahead(0, 9) == [1] and asked_ahead(8, 9) == [9] and asked_ahead(9, 9) == []
+    assert asked_ahead(0, 9, 3) == [1, 2, 3] and asked_ahead(7, 9, 3) == [8, 9] and asked_ahead(9, 9, 3) == []
+    for ahead in (1, 2, 3):
+        train = load_config(None, ["train.overlap=true", "train.num_steps=10", f"train.overlap_ahead={ahead}"]).train
+        assert all(asked_ahead(k, 9, ahead) == asked_by_the_job(train, k) for k in range(10))
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +58,31 @@ def free_and_real(small):
     real = run_overlap(setting, rollout, n, rollout.over_sampling_batch_size, 6, 1,
                        study.learner_s_on(cfg, sim, 2, 1.0), study.weight_sync_s(cfg, sim), ceiling)
     return setting, free, real
+
+
+@pytest.fixture(scope="module")
+def two_ahead(small, free_and_real):
+    """free_and_real's slow learner with the engines allowed two batches ahead (train.overlap_ahead=2)."""
+    from sim import study
+    from sim.overlap import run_overlap
+
+    cfg, sim, ceiling = small
+    setting = free_and_real[0]
+    n = study.batch_for(cfg, 8)
+    rollout = study.rollout_for(cfg, n, 2.0, "april")
+    return run_overlap(setting, rollout, n, rollout.over_sampling_batch_size, 6, 1,
+                       study.learner_s_on(cfg, sim, 2, 1.0), study.weight_sync_s(cfg, sim), ceiling, ahead=2)
+
+
+def test_two_batches_ahead_the_engines_stop_less_and_their_tokens_age_more(free_and_real, two_ahead):
+    """Two steps asked ahead of a slow learner: nothing is lost or trained twice, the step at the look-ahead's
+    end is reached (and interrupted) less often, and the batches' tokens are older on average."""
+    real = free_and_real[2]
+    assert two_ahead["lost_groups"] == 0 and two_ahead["duplicated_samples"] == 0
+    assert two_ahead["samples_with_wrong_length"] == 0
+    assert 1 <= two_ahead["aborts"] < real["aborts"]
+    assert two_ahead["staleness_mean"] > real["staleness_mean"]
+    assert two_ahead["learner_busy_fraction"] == pytest.approx(1.0)
 
 
 def test_kept_steps_never_abort_and_lose_nothing(free_and_real):

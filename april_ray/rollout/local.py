@@ -84,7 +84,8 @@ class LocalProxy:
         fn = getattr(self.obj, name)
 
         async def call(*args):
-            args = [resolve_groups(a, resolve) if name.startswith("put_") else a for a in args]
+            if name.startswith("put_"):  # (groups, reward errors by sample id)
+                args = [resolve_groups(*args[:1], resolve, *args[1:])]
             out = fn(*args)
             return [held(g, g.samples) for g in out] if name.startswith("take_") else out
 

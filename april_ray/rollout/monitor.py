@@ -10,8 +10,8 @@ A step asked to `keep_running` (the overlapped mode, train.overlap) returns its 
 group without the interrupt when the next step has already been asked for: its other groups go on
 generating on the engines while the learner trains, and the next step continues them (`running`: the
 same calls, loads and step token), so the engines never stop while the driver keeps asking ahead. With no
-step asked after it, the rollout is as far ahead of the learner as the staleness bound lets it go, and
-the step interrupts and stores as usual (tokens generated meanwhile would be too old when trained). A
+step asked after it, the rollout is as far ahead of the learner as the driver asks it to go
+(train.overlap_ahead, at most staleness.max_versions), and the step interrupts and stores as usual. A
 step that is not asked to (the synchronous modes, and the overlapped mode's steps before a checkpoint and
 the last one) ends as above, and leaves nothing running.
 
@@ -422,10 +422,12 @@ class CompletionMonitor:
         """Store complete groups not returned, and every unfinished group (unless not `with_partial`);
         returns the ids of the unfinished groups stored."""
         partial = s.partial_ids() if with_partial else []
+        errors = {m.sample_id: m.reward_error for g in (*complete, *partial) for m in s.flights[g].metas
+                  if m is not None and m.reward_error}  # the samples carry them from here on (rollout/store.py)
         if complete:
-            await self.store.put_complete([s.flights[g].as_group() for g in complete])
+            await self.store.put_complete([s.flights[g].as_group() for g in complete], errors)
         if partial:
-            await self.store.put_partial([s.flights[g].as_group() for g in partial])
+            await self.store.put_partial([s.flights[g].as_group() for g in partial], errors)
         for f in (s.flights[g] for g in (*complete, *partial)):
             for m, h in zip(f.metas, f.handles):
                 if m is not None and m.state == SampleState.FINISHED:

@@ -1,7 +1,8 @@
 """The order the completion monitor runs steps in: one at a time, the lowest asked first.
 
-The overlapped mode (train.overlap) asks for the next step before this one's batch is back, and an async
-actor may start the two calls in either order: a step names the one it was asked `after`, which runs first.
+The overlapped mode (train.overlap) asks for the next train.overlap_ahead steps before this one's batch is
+back, and an async actor may start the calls in any order: a step names the one it was asked `after`, which
+runs first.
 After a step that left groups running on the engines, only the step right after it may run (it goes on
 with them).
 """

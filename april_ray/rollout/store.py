@@ -139,7 +139,7 @@ def sample_to_json(s: Sample) -> dict:
             "state": s.state.value, "finish_reason": s.finish_reason.value if s.finish_reason else None,
             "reward": s.reward, "num_resumes": s.num_resumes, "num_discarded_tokens": s.num_discarded_tokens,
             "loss_mask": None if s.loss_mask is None else list(s.loss_mask), "episode": s.episode,
-            "metadata": s.metadata}
+            "metadata": s.metadata, "reward_error": s.reward_error}
 
 
 def sample_from_json(d: dict, where: str) -> Sample:
@@ -163,7 +163,15 @@ def sample_from_json(d: dict, where: str) -> Sample:
     model = n if extra["loss_mask"] is None else sum(extra["loss_mask"])
     if model > v["max_response_len"]:
         raise ValueError(f"{where}.response_ids: {model} model tokens over max_response_len {v['max_response_len']}")
-    return Sample(**v, **extra)
+    return Sample(**v, **extra, reward_error=_optional_str(d, "reward_error", where))
+
+
+def _optional_str(d: dict, key: str, where: str) -> str | None:
+    """A text field a store of an older april-ray did not write (absent: None)."""
+    value = d.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{where}.{key}: expected a string or null, got {value!r:.60}")
+    return value
 
 
 def _episode_fields(d: dict, n: int, where: str) -> dict:
@@ -199,10 +207,17 @@ def group_from_json(d: dict, where: str) -> Group:
 
 def held(group: Group, handles: list) -> HeldGroup:
     """`group` as the monitor takes it from the store: a handle per sample, and its meta."""
-    return HeldGroup(group.group_id, group.prompt_index, handles, [sample_meta(s, 0) for s in group.samples],
-                     group.created_step, group.engine)
+    metas = [replace(sample_meta(s, 0), reward_error=s.reward_error) for s in group.samples]
+    return HeldGroup(group.group_id, group.prompt_index, handles, metas, group.created_step, group.engine)
 
 
-def resolve_groups(groups: list[Group], resolve) -> list[Group]:
-    """Groups arrive with sample handles (object refs on Ray); the store keeps values."""
-    return [replace(g, samples=[resolve(s) for s in g.samples]) for g in groups]
+def resolve_groups(groups: list[Group], resolve, reward_errors: dict[str, str] | None = None) -> list[Group]:
+    """Groups arrive with sample handles (object refs on Ray); the store keeps values, each with the reward
+    error its meta reported (`reward_errors`, by sample id: the engine put it in the meta alone)."""
+    errors = reward_errors or {}
+    return [replace(g, samples=[with_reward_error(resolve(s), errors) for s in g.samples]) for g in groups]
+
+
+def with_reward_error(sample: Sample, errors: dict[str, str]) -> Sample:
+    error = errors.get(sample.sample_id)
+    return sample if error is None or sample.reward_error == error else replace(sample, reward_error=error)
