@@ -1,4 +1,4 @@
-"""Plug-in points loaded by dotted path (`module:attribute`): reward, group reward and episode functions.
+"""Plug-in points loaded by dotted path (`module:attribute`): reward, group reward, episode and agent functions.
 
 `check_plugins` imports each one the config names and checks its signature in the driver, before Ray
 starts, so that a missing module, a misspelt name or an episode written as a plain `def` stops the job
@@ -93,6 +93,17 @@ def check_episode_fn(fn, key: str, kwargs: dict) -> None:
         raise ValueError(f"{key}: {name} cannot be called with the episode handle{extra}")
 
 
+def check_agent_fn(fn, key: str, kwargs: dict) -> None:
+    """An agent: an `async def` of (base_url, api_key, row) and the `rollout.agent_kwargs`."""
+    name = f"{getattr(fn, '__qualname__', fn)}{_signature(fn)} in {where(fn)}"
+    if not is_async(fn):
+        raise ValueError(f"{key}: {name} is a plain function; an agent must be `async def` "
+                         "(it awaits the endpoint)")
+    if not accepts(fn, "http://127.0.0.1:1/v1", "key", {}, **kwargs):
+        extra = f" and the keywords {sorted(kwargs)} of rollout.agent_kwargs" if kwargs else ""
+        raise ValueError(f"{key}: {name} cannot be called with (base_url, api_key, row){extra}")
+
+
 def _signature(fn) -> str:
     with contextlib.suppress(TypeError, ValueError):
         return str(inspect.signature(fn))
@@ -109,6 +120,9 @@ def check_plugins(cfg) -> None:
         if cfg.rollout.episode_fn:
             check_episode_fn(load_object(cfg.rollout.episode_fn, "rollout.episode_fn"), "rollout.episode_fn",
                              dict(cfg.rollout.episode_kwargs))
+        if cfg.rollout.agent_fn:
+            check_agent_fn(load_object(cfg.rollout.agent_fn, "rollout.agent_fn"), "rollout.agent_fn",
+                           dict(cfg.rollout.agent_kwargs))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -245,6 +245,8 @@ class EngineGroup:
                 "rollout/tool_calls": sum(st.tool_calls for st in stats),
                 "rollout/tool_errors": sum(st.tool_errors for st in stats),
                 "rollout/tool_replays": sum(st.tool_replays for st in stats),
+                **{f"rollout/agent_{k}": sum(getattr(st, f"agent_{k}") for st in stats)
+                   for k in ("requests", "resumed", "mismatch", "errors")},
                 "rollout/tool_s_mean": sum(st.tool_s for st in stats) / max(1, sum(st.tool_calls for st in stats)),
                 "engine/stats_skipped": self.stats_skipped, "engine/restarts": self.restarts}
 

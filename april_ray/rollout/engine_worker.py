@@ -15,7 +15,8 @@ engine (the overlapped mode) or another step's calls run on untouched.
 
 With `rollout.episode_fn` each sample is an episode of several turns (april_ray/rollout/episode.py): the
 worker runs the episode function instead of one engine call, and an abort that lands inside one of its
-turns leaves the sample PARTIAL with its trajectory and the episode's state.
+turns leaves the sample PARTIAL with its trajectory and the episode's state. With `rollout.agent_fn` the
+episode is an OpenAI-speaking agent served by this worker's endpoint (april_ray/rollout/agent_endpoint.py).
 
 With `task.reward_per_group` the reward is a group function, so a sample that finishes waits, unrewarded
 (reward None, in the store too), until its group is complete. Every call carries all of a group's
@@ -45,6 +46,7 @@ from collections import Counter, deque
 from april_ray.config import EngineConfig, RolloutConfig, SamplingConfig, StalenessConfig, TaskConfig
 from april_ray.engine.probe import saturated_throughput
 from april_ray.plugins import load_object
+from april_ray.rollout.agent_endpoint import AgentEndpoint, AgentStats
 from april_ray.rollout.episode import (Episode, EpisodeContext, EvaluationJournal, Interrupted, ToolJournal,
                                       ToolStats, with_turn_rewards)
 from april_ray.task.evaluate import EvalItem
@@ -65,7 +67,8 @@ def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, stalene
                  journal=None, weights_root: str = "") -> "EngineWorker":
     """An EngineWorker on the configured engine backend, with the task's reward (under its timeout) and the
     configured sampling; with `episodes.episode_fn`, running that episode function, its tool results
-    recorded in `journal` (in process when None)."""
+    recorded in `journal` (in process when None); with `episodes.agent_fn`, that agent as each sample's
+    episode, served by an OpenAI-compatible endpoint of this worker (`AgentEndpoint`)."""
     from transformers import AutoTokenizer
 
     from april_ray.engine import build_engine
@@ -86,6 +89,12 @@ def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, stalene
                             encode=lambda text: tok.encode(text, add_special_tokens=False),
                             kwargs=dict(episodes.episode_kwargs), max_turns=episodes.max_turns,
                             max_env_tokens=episodes.max_env_tokens_per_turn)
+    elif episodes is not None and episodes.agent_fn:
+        agents = AgentEndpoint(load_object(episodes.agent_fn, "rollout.agent_fn"), tok, engine_cfg.max_model_len,
+                               dict(episodes.agent_kwargs), episodes.agent_park_s)
+        worker.use_episodes(agents, journal or ToolJournal(), engine_cfg.max_model_len, episodes.tool_timeout_s,
+                            encode=lambda text: tok.encode(text, add_special_tokens=False),
+                            max_turns=episodes.max_turns, max_env_tokens=episodes.max_env_tokens_per_turn)
     return worker
 
 
@@ -283,5 +292,14 @@ class EngineWorker:
         """The engine's statistics, with the reward errors since the last drain."""
         errors = self.reward.drain_errors() if drain else self.reward.errors
         tools = self.tool_stats(drain) or ToolStats()
+        agents = self.agent_stats(drain)
         return dataclasses.replace(self.engine.stats(drain), reward_errors=errors, tool_calls=tools.calls,
-                                   tool_errors=tools.errors, tool_s=tools.seconds, tool_replays=tools.replays)
+                                   tool_errors=tools.errors, tool_s=tools.seconds, tool_replays=tools.replays,
+                                   agent_requests=agents.requests, agent_resumed=agents.resumed,
+                                   agent_mismatch=agents.mismatch, agent_errors=agents.errors)
+
+    def agent_stats(self, drain: bool = True) -> AgentStats:
+        """The agents' requests since the last drain (`AgentStats`; zeros without `rollout.agent_fn`)."""
+        if not isinstance(self.episode_fn, AgentEndpoint):
+            return AgentStats()
+        return self.episode_fn.stats.drain() if drain else dataclasses.replace(self.episode_fn.stats)

@@ -247,6 +247,16 @@ class Episode:
             ids = ids[:self._ctx.max_env_tokens]
         self.sample = self.sample.with_environment(ids)
 
+    def new_segment(self, prompt_ids: list[int]) -> None:
+        """Start the trajectory again from `prompt_ids` (an agent's request that does not extend it, see
+        agent_endpoint.py): the tokens so far leave the sample (its model tokens counted as discarded and
+        still spent from the budget), so it trains only on what is sampled after this context."""
+        s = self.sample
+        self.sample = dataclasses.replace(s, prompt_ids=list(prompt_ids), response_ids=[], logprobs=[], versions=[],
+                                          loss_mask=[], max_response_len=s.remaining_budget,
+                                          num_discarded_tokens=s.num_discarded_tokens + s.num_model_tokens)
+        self._record(turn_start=0, in_turn=False)
+
     async def call_tool(self, name: str, fn: Callable[..., Any | Awaitable[Any]], *args, **kwargs) -> Any:
         """`fn(*args, **kwargs)` once per trajectory and call (`tool_key`): a result recorded earlier for this
         trajectory is returned without running it. An `async def` runs on the loop; a plain function in a
