@@ -1,8 +1,8 @@
-"""One command that turns a lent GPU into measurements, without Ray, DeepSpeed or any download.
+"""One command that turns a lent GPU into measurements; its default parts need no Ray, DeepSpeed or download.
 
     python -m jobs.gpu_check --json PATH [--budget-s 480] [--smoke] [--parts engine,schedules,learner,handoff]
 
-Four parts, each in a child process of its own (its memory, and its allocator's peak, are its own), one after
+Four parts by default, each in a child process of its own (its memory, and its allocator's peak, are its own), one after
 the other, each stopping cleanly when its share of the budget is spent (what time a part leaves goes to the
 next; a child still running 30 s past its share is stopped, and the part records that):
 - engine: our engine on the device (bf16) at Qwen3-0.6B's and Qwen3-1.7B's shapes: throughput by
@@ -13,6 +13,8 @@ next; a child still running 30 s past its share is stopped, and the part records
   against the memory plan (jobs/gpu_check/learner.py);
 - handoff: CUDA-IPC weight updates from this process tree's learner into an engine server process on the
   same device (jobs/gpu_check/handoff.py).
+A fifth, `job`, runs only when asked for (`--parts job`): the training job itself under Ray, colocated and
+overlapped on the device (jobs/gpu_check/job.py), with Ray and DeepSpeed from the carried bundle (docs/gpu.md).
 The JSON has one key per part and `device`; a short table is printed. `--smoke` runs every part on CPU with
 tiny shapes (tests/test_gpu_check.py). docs/gpu.md says what to carry to a lent machine and the command.
 """
@@ -33,7 +35,9 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the children's sav
 from jobs.gpu_check.common import GPU_SCALE, SMOKE_SCALE, Deadline, accelerator_key, write_json
 
 PARTS = {"engine": 0.3, "schedules": 0.3, "learner": 0.25, "handoff": 0.15}
-"""Each part's share of the budget."""
+"""The default parts, each with its share of the budget."""
+SHARES = PARTS | {"job": 1.0}
+"""Every part's share; `job` (asked for by name) weighs as much as the other four together."""
 GRACE_S = 30.0
 
 
@@ -55,11 +59,11 @@ def device_info(smoke: bool, budget_s: float) -> dict:
 def run_parts(args) -> dict:
     """The parts one after the other; the device is read last (this process holds no CUDA context meanwhile)."""
     start, result, walls = time.time(), {}, {}
-    parts = [p for p in PARTS if p in args.parts.split(",")]
+    parts = [p for p in SHARES if p in args.parts.split(",")]
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as work:
         for i, part in enumerate(parts):
             left = start + args.budget_s - time.time()
-            share = left * PARTS[part] / sum(PARTS[p] for p in parts[i:])
+            share = left * SHARES[part] / sum(SHARES[p] for p in parts[i:])
             result[part] = run_child(part, time.time() + share, Path(work), args.smoke)
             walls[part] = {"budget_s": share, "wall_s": result[part].pop("_wall_s")}
     device = device_info(args.smoke, args.budget_s) | {"parts": walls, "wall_s": time.time() - start}
@@ -85,7 +89,7 @@ def one_part(args) -> None:
     """In the child: the part on this device, its JSON to `--out` (an error too, with its traceback printed)."""
     import torch
 
-    from jobs.gpu_check import engine, handoff, learner, schedules
+    from jobs.gpu_check import engine, handoff, job, learner, schedules
 
     scale = SMOKE_SCALE if args.smoke else GPU_SCALE
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -100,7 +104,8 @@ def one_part(args) -> None:
     runs = {"engine": lambda: engine.run(scale, device, dtype, deadline, progress),
             "schedules": lambda: schedules.run(scale, device, dtype, deadline),
             "learner": lambda: learner.run(scale, device, work, deadline, progress),
-            "handoff": lambda: handoff.run(scale, device, dtype, work, deadline)}
+            "handoff": lambda: handoff.run(scale, device, dtype, work, deadline),
+            "job": lambda: job.run(args.smoke, work, deadline, progress)}
     try:
         result = runs[args.part]()
     except Exception as e:
@@ -113,8 +118,10 @@ def table(result: dict) -> str:
     d = result["device"]
     lines = [f"device: {d['name']} (roofline: {d['roofline_card']}), torch {d['torch']}, {d['wall_s']:.0f} s "
              f"of a {d['budget_s']:.0f} s budget"]
+    from jobs.gpu_check.job import lines as job_lines
+
     for part, rows in (("engine", engine_lines), ("schedules", schedule_lines), ("learner", learner_lines),
-                       ("handoff", handoff_lines)):
+                       ("handoff", handoff_lines), ("job", job_lines)):
         if part in result:
             lines += [f"{part}: {result[part]['error']}"] if "error" in result[part] else rows(result[part])
     return "\n".join(lines)
@@ -184,10 +191,10 @@ def handoff_lines(res: dict) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--budget-s", type=float, default=480.0, help="seconds for all four parts together")
+    p.add_argument("--budget-s", type=float, default=480.0, help="seconds for all the parts together")
     p.add_argument("--smoke", action="store_true", help="every part on CPU with tiny shapes")
-    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of " + ", ".join(PARTS))
-    p.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)  # one part, in a child process
+    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of " + ", ".join(SHARES))
+    p.add_argument("--part", choices=list(SHARES), help=argparse.SUPPRESS)  # one part, in a child process
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -197,9 +204,9 @@ def main() -> None:
         return
     if not args.json:
         p.error("--json PATH is required")
-    bad = set(args.parts.split(",")) - set(PARTS)
+    bad = set(args.parts.split(",")) - set(SHARES)
     if bad:
-        p.error(f"--parts: unknown {', '.join(sorted(bad))} (of {', '.join(PARTS)})")
+        p.error(f"--parts: unknown {', '.join(sorted(bad))} (of {', '.join(SHARES)})")
     result = run_parts(args)
     write_json(Path(args.json), result)
     print(table(result))
