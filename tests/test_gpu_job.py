@@ -15,7 +15,7 @@ from april_ray.config import ConfigError, EngineConfig, load_config
 from april_ray.engine import build_engine, engine_device, server_options
 from april_ray.engine.sglang_server import CPUServerLauncher
 from april_ray.placement import actor_resources, never_fits, plan
-from jobs.gpu_check.device_memory import summary
+from jobs.gpu_check.device_memory import summary, swing
 from jobs.gpu_check.job import more_steps
 from tests.conftest import USER_ENV
 from tests.prefetch import shared_job
@@ -93,13 +93,18 @@ def test_the_resumed_leg_takes_the_steps_the_rest_of_the_budget_holds():
 
 
 def test_the_device_memory_summary_counts_the_engines_releases():
-    used = [900, 500, 900, 520, 910, 900]
+    # starting (14 MiB, then the CUDA context), then two releases of its 170 MiB of KV cache and weights, then noise
+    used = [14, 600, 1100, 930, 1110, 930, 1110, 1106, 1110]
     samples = [(i * 0.1, 2000 + u, {"engine_server": u, "learner": 1000}) for i, u in enumerate(used)]
-    samples.append((0.7, 3000, {"learner": 1000}))  # the server gone: not a release
+    samples.append((0.9, 3000, {"learner": 1000}))  # the server gone: not a release
     s = summary(samples, 0.1)
-    assert s["by_role_mib"]["engine_server"] == {"max": 910, "min": 500, "drops": 2}
-    assert s["by_role_mib"]["learner"]["drops"] == 0 and s["samples"] == 7
+    assert s["by_role_mib"]["engine_server"] == {"max": 1110, "min": 930, "start_min": 14, "released": 180,
+                                                 "drops": 2}
+    assert s["by_role_mib"]["learner"]["drops"] == 0 and s["samples"] == 10
+    assert s["engine_server_changes"][:3] == [[0.0, 14], [0.1, 600], [0.2, 1100]]
+    assert [0.7, 1106] in s["engine_server_changes"]
     assert summary([], 0.1, "NVML: no GPU") == {"source": None, "why": "NVML: no GPU"}
+    assert swing([500, 1000, 997, 1000, 996])["drops"] == 0  # a few MiB is the allocator, not a release
 
 
 FRACTIONS = textwrap.dedent("""

@@ -65,25 +65,49 @@ class MemorySampler:
 
 
 def summary(samples: list, interval_s: float, unavailable: str = "") -> dict:
-    """Per role and for the device: the largest and smallest MiB seen and how many times it dropped below
-    halfway between them (`drops`: the engine server's releases, one a step when it gives its memory back)."""
+    """Per role and for the device: its swing (`swing`) while it lived, and the engine server's changes as
+    [seconds, MiB] (`CHANGES` at most), which show each release and retake against the steps."""
     if not samples:
         return {"source": None, "why": unavailable or "no sample was taken"}
     roles = sorted({r for _, _, by_role in samples for r in by_role})
     series = {r: [by_role[r] for _, _, by_role in samples if r in by_role] for r in roles}  # while it lived
+    server = [(t, by_role["engine_server"]) for t, _, by_role in samples if "engine_server" in by_role]
     return {"source": "NVML (nvmlDeviceGetComputeRunningProcesses, nvmlDeviceGetMemoryInfo)",
             "interval_s": interval_s, "samples": len(samples), "seconds": samples[-1][0],
             "device_used_mib": swing([used for _, used, _ in samples]),
-            "by_role_mib": {r: swing(s) for r, s in series.items()}}
+            "by_role_mib": {r: swing(s) for r, s in series.items()},
+            "engine_server_changes": changes(server)}
+
+
+SETTLED = 0.9
+"""A process has settled once it first holds this share of its largest memory (its CUDA context, weights and
+KV cache made): what it held before, while starting, is no release."""
+MIN_SWING_MIB = 8.0
+"""A fall smaller than this from the largest is allocator noise, not a release."""
+CHANGES = 4000
 
 
 def swing(values: list[float]) -> dict:
-    """Largest, smallest, and the drops below their midpoint (each a fall from above it to below it)."""
-    high, low = max(values), min(values)
+    """Largest; `start_min`, the smallest before the process settled; `min`, the smallest after; `released`,
+    their difference; and `drops`, each fall from above the midpoint of `max` and `min` to below it."""
+    high = max(values)
+    settle = next(i for i, v in enumerate(values) if v >= SETTLED * high)
+    after = values[settle:]
+    low = min(after)
     mid, drops, above = (high + low) / 2, 0, False
-    for v in values:
+    for v in after if high - low >= MIN_SWING_MIB else ():
         if v > mid:
             above = True
         elif above and v < mid:
             drops, above = drops + 1, False
-    return {"max": round(high, 1), "min": round(low, 1), "drops": drops}
+    return {"max": round(high, 1), "min": round(low, 1), "start_min": round(min(values[:settle + 1]), 1),
+            "released": round(high - low, 1), "drops": drops}
+
+
+def changes(series: list[tuple[float, float]]) -> list[list[float]]:
+    """[seconds, MiB] at the first sample and at each change of at least 2 MiB (NVML's granularity)."""
+    out: list[list[float]] = []
+    for t, mib in series:
+        if not out or abs(mib - out[-1][1]) >= 2:
+            out.append([round(t, 2), round(mib, 1)])
+    return out[:CHANGES]
