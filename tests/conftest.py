@@ -49,6 +49,16 @@ def policy(random_model_dir):
 
 
 _EXIT_STATUS = {}
+_PREFETCH = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    """When each shared job ran (tests/prefetch.py) and how long its readers waited: a job that ends after
+    the other tests did is what the run's end waits for."""
+    if _PREFETCH and _PREFETCH[0].times:
+        terminalreporter.write_sep("=", "shared jobs (seconds from the session's start)")
+        for line in _PREFETCH[0].report():
+            terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -191,6 +201,7 @@ def prefetched(request, tmp_path_factory):
     from tests.prefetch import JOBS, Prefetch, first_asked
 
     prefetch = Prefetch()
+    _PREFETCH.append(prefetch)
     order = first_asked(JOBS, request.session.items)
     if order:
         model_dir = request.getfixturevalue("random_model_dir")

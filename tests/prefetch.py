@@ -7,6 +7,7 @@ itself. Only the jobs some collected test asks for are run (`pytest tests/test_c
 from __future__ import annotations
 
 import functools
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -62,16 +63,36 @@ class Prefetch:
     def __init__(self, workers: int = WORKERS):
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prefetch")
         self._futures: dict[str, Future] = {}
+        self.t0 = time.monotonic()
+        self.times: dict[str, list[float]] = {}
+        """Each job's [start, end, seconds its first reader waited] (seconds from the session's start), and
+        where it ran: what the suite's summary prints (conftest.py), to see which side ends the run."""
 
     def submit(self, name: str, run: Callable[[], object]) -> None:
-        self._futures[name] = self._pool.submit(run)
+        self._futures[name] = self._pool.submit(self._timed, name, run, "background")
 
     def result(self, name: str, run: Callable[[], object]):
         """The job's result, waited for; `run()` here when it was never queued or had not started yet."""
         future = self._futures.pop(name, None)
         if future is None or future.cancel():
+            return self._timed(name, run, "foreground")
+        asked = time.monotonic()
+        try:
+            return future.result()
+        finally:
+            self.times[name][2] = time.monotonic() - asked
+
+    def _timed(self, name: str, run: Callable[[], object], where: str):
+        self.times[name] = [time.monotonic() - self.t0, float("nan"), 0.0, where]
+        try:
             return run()
-        return future.result()
+        finally:
+            self.times[name][1] = time.monotonic() - self.t0
+
+    def report(self) -> list[str]:
+        """One line a job, in the order they started: when it ran and how long the tests reading it waited."""
+        return [f"{name:28s} {where:10s} {start:7.1f} s -> {end:7.1f} s ({end - start:5.1f} s), waited {waited:5.1f} s"
+                for name, (start, end, waited, where) in sorted(self.times.items(), key=lambda kv: kv[1][0])]
 
     def close(self) -> None:
         """Drop the jobs no test asked for after all (a run stopped early) and wait for the ones running."""

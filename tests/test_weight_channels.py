@@ -22,10 +22,19 @@ def model(random_model_dir):
     return load_policy(random_model_dir)[0]
 
 
-def start(model_dir, tmp_path):
-    opts = ServerOptions(str(model_dir), max_num_seqs=4, max_model_len=MAX_LEN, startup_timeout_s=120,
-                         log_dir=str(tmp_path / "logs"))
-    return CPUServerLauncher().start(opts)
+def start(model_dir, tmp_path, n: int) -> list:
+    """`n` servers of the model, launched side by side and then waited for (each start is mostly one process's
+    imports)."""
+    servers = [CPUServerLauncher().launch(ServerOptions(str(model_dir), max_num_seqs=4, max_model_len=MAX_LEN,
+                                                        log_dir=str(tmp_path / "logs"))) for _ in range(n)]
+    try:
+        for s in servers:
+            s.wait_healthy(120)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
 
 
 def moved(model, seed: int) -> dict:
@@ -57,7 +66,7 @@ def reference(model, sd, ids, n=6) -> list[int]:
 def test_a_broadcast_leaves_a_dead_server_out_and_a_rebuilt_group_takes_its_successor_in(
         random_model_dir, model, tmp_path):
     ids = [5, 6, 7, 8]
-    a, b = start(random_model_dir, tmp_path), start(random_model_dir, tmp_path)
+    a, b = start(random_model_dir, tmp_path, 2)
     c = None
     sender = BroadcastGroup("127.0.0.1", "gloo", bucket_mb=0.05)  # several buckets
     try:
@@ -68,7 +77,7 @@ def test_a_broadcast_leaves_a_dead_server_out_and_a_rebuilt_group_takes_its_succ
             b.proc.kill()  # its engine died: the next publish leaves it out and goes on
             b.proc.wait()
             assert await sender.send(admin(a, b), list(second.items()), 2, True) == [a.url]
-            c = start(random_model_dir, tmp_path)  # the restarted engine's new server
+            [c] = start(random_model_dir, tmp_path, 1)  # the restarted engine's new server
             assert await sender.send(admin(a, c), list(second.items()), 2, True) == [a.url, c.url]
             return await greedy(a, ids), await greedy(c, ids), second
         out_a, out_c, second = asyncio.run(main())
@@ -101,7 +110,7 @@ def test_a_server_killed_mid_broadcast_leaves_the_others_free_at_once(random_mod
     """The sender's end of the broken group closes at once, so the surviving server's receive fails instead
     of waiting out the group's timeout (the publish, and every engine paused by it, waited with it)."""
     ids = [5, 6, 7, 8]
-    a, b = start(random_model_dir, tmp_path), start(random_model_dir, tmp_path)
+    a, b = start(random_model_dir, tmp_path, 2)
     # one bucket of tensors of megabytes: more than a socket's buffer, so the dead peer's reset is seen
     sender = BroadcastGroup("127.0.0.1", "gloo", bucket_mb=64, timeout_s=3600)
     try:
@@ -118,7 +127,7 @@ def test_a_server_killed_mid_broadcast_leaves_the_others_free_at_once(random_mod
 
 
 def test_a_handoff_or_disk_load_to_a_dead_server_leaves_it_out(random_model_dir, model, tmp_path):
-    a, b = start(random_model_dir, tmp_path), start(random_model_dir, tmp_path)
+    a, b = start(random_model_dir, tmp_path, 2)
     try:
         b.proc.kill()
         b.proc.wait()

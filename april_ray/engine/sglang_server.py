@@ -158,6 +158,13 @@ class Launcher:
         raise NotImplementedError
 
     def start(self, opts: ServerOptions, tag: str = "engine") -> ServerProcess:
+        server = self.launch(opts, tag)
+        server.wait_healthy(opts.startup_timeout_s)
+        return server
+
+    def launch(self, opts: ServerOptions, tag: str = "engine") -> ServerProcess:
+        """The server's process, started and not yet waited for (`ServerProcess.wait_healthy`): several
+        servers launched first and then waited for start side by side."""
         self.check_installed()
         port = free_port(opts.host)
         cmd = self.command(opts, port) + list(opts.extra_args)
@@ -170,7 +177,6 @@ class Launcher:
                                     start_new_session=True, preexec_fn=_die_with_parent)
         server = ServerProcess(proc, f"http://{reachable_host(opts.host)}:{port}", log_path, cmd, opts.api_key,
                                opts.admin_api_key)
-        server.wait_healthy(opts.startup_timeout_s)
         return server
 
 
