@@ -44,6 +44,8 @@ METRICS = {  # name: (kind, tag keys, description)
     "april_engine_reused_kv_tokens_total": (Counter, ("engine",), "Prefill tokens skipped: a resumed sample found its parked KV cache"),
     "april_engine_generated_tokens_total": (Counter, ("engine",), "Tokens sampled"),
     "april_engine_crashes_total": (Counter, ("engine",), "Engine deaths the monitor saw (their samples were re-dispatched)"),
+    "april_engine_leaves_total": (Counter, ("engine",), "Engines the monitor saw leave gracefully (preempted or drained: their samples came back with every token), or not placed at the start"),
+    "april_live_engines": (Gauge, (), "Engines taking work (engine.num_engines is the target; an elastic fleet runs with fewer while nodes are missing)"),
     "april_abort_latency_seconds": (Histogram, ("mode",), "From the N-th completed group to every engine call resolved, per step"),
     "april_store_partial_groups": (Gauge, (), "Groups with interrupted samples waiting in the partial-rollout store"),
     "april_store_oldest_age_versions": (Gauge, (), "Policy versions behind the current one, of the oldest token in the store"),
@@ -207,10 +209,13 @@ class MonitorMetrics:
         self.staleness = metric("april_trained_token_staleness_versions")
         self.trained_tokens = metric("april_rollout_trained_tokens_total", zeros=(self.mode,))
         self.off_policy_tokens = metric("april_rollout_off_policy_tokens_total", zeros=(self.mode,))
-        self.crashes = metric("april_engine_crashes_total", zeros=tuple({"engine": str(e)} for e in range(num_engines)))
+        engines = tuple({"engine": str(e)} for e in range(num_engines))
+        self.crashes = metric("april_engine_crashes_total", zeros=engines)
+        self.leaves = metric("april_engine_leaves_total", zeros=engines)
+        self.live = metric("april_live_engines")
         self.alive = [True] * num_engines
 
-    def record(self, metrics: dict, staleness: dict[int, int], alive: list[bool]) -> None:
+    def record(self, metrics: dict, staleness: dict[int, int], engines) -> None:
         if self.aborts and not metrics.get("rollout/groups_running"):  # an overlapped step that kept running: none
             self.abort_latency.observe(metrics["rollout/abort_latency_s"], tags=self.mode)
         ratio, trained = metrics["rollout/off_policy_token_ratio"], metrics["rollout/trained_tokens"]
@@ -223,16 +228,18 @@ class MonitorMetrics:
         for age, n in shares(staleness).items():
             for _ in range(n):
                 self.staleness.observe(age, tags=self.mode)
-        self.engines_seen(alive)
+        self.engines_seen(engines)
 
-    def engines_seen(self, alive: list[bool]) -> None:
-        """Counts a crash of each engine seen dead that was last seen alive. The actor looks at the end of
-        each step and whenever the driver asks which engines are alive (it does before it hands a
-        restarted engine back), so a crash is seen even when the engine is back within the step."""
-        for engine, (was, now) in enumerate(zip(self.alive, alive)):
+    def engines_seen(self, engines) -> None:
+        """Counts a crash (or a graceful leave) of each engine seen gone that was last seen alive, and sets
+        the live count (`engines`: the monitor's `EngineLiveness`). The actor looks at the end of each step
+        and whenever the driver asks which engines are alive (it does before it hands a restarted engine
+        back), so a crash is seen even when the engine is back within the step."""
+        for engine, (was, now, left) in enumerate(zip(self.alive, engines.alive, engines.left)):
             if was and not now:
-                self.crashes.inc(1, tags={"engine": str(engine)})
-        self.alive = list(alive)
+                (self.leaves if left else self.crashes).inc(1, tags={"engine": str(engine)})
+        self.alive = list(engines.alive)
+        self.live.set(sum(self.alive))
 
 
 def mismatch_by_age(metrics: dict[str, float]) -> dict[str, dict[str, float]]:

@@ -10,7 +10,7 @@ from actors.metrics import MonitorMetrics
 from actors.refs import SampleRef
 from actors.store import with_refs
 from april_ray.config import RolloutConfig, StalenessConfig
-from april_ray.engine.base import EngineFailure
+from april_ray.engine.base import EngineFailure, EngineLeft
 from april_ray.rollout.monitor import CompletionMonitor
 
 
@@ -55,7 +55,7 @@ class RayEnginePool:
             return await ref
         # dead (also: killed by Ray's OOM killer), or restarted and not yet given the current weights
         except (RayActorError, OutOfMemoryError, EngineFailure) as e:
-            raise EngineFailure(str(e)) from e
+            raise (EngineLeft if isinstance(e, EngineLeft) else EngineFailure)(str(e)) from e
 
     async def abort_all(self, step, engines: list[int]) -> None:
         results = await asyncio.gather(*[self.engines[e].abort_all.remote(step) for e in engines],
@@ -76,7 +76,7 @@ class CompletionMonitorActor:
 
     async def step(self, step: int, version: int, keep_running: bool = False, after: int | None = None):
         result = await self.monitor.step(step, version, keep_running, after)
-        self.metrics.record(result.metrics, result.staleness, self.monitor.alive)
+        self.metrics.record(result.metrics, result.staleness, self.monitor.engines)
         return result
 
     async def run_id(self) -> str:
@@ -87,10 +87,20 @@ class CompletionMonitorActor:
         """Engines restarted and brought to the current weights by the driver (driver/engines.py)."""
         self.monitor.revive(engines)
 
+    async def leave(self, engines: list[int], left: bool = True) -> None:
+        """Engines not placed yet, leaving gracefully, or (`left=False`) found dead while idle
+        (driver/rollout.py): no work until `revive`."""
+        self.monitor.leave(engines, left)
+        self.metrics.engines_seen(self.monitor.engines)
+
+    async def live_engines(self) -> list[int]:
+        """The engines that take work now (the driver's step start: which to catch up, how many run)."""
+        return self.monitor.engines.live()
+
     async def dead_engines(self, known: list[int], step: int) -> list[int]:
         """Returns once the dead engines differ from `known` or `step` has ended (the driver waits on it)."""
         dead = await self.monitor.dead_engines(known, step)
-        self.metrics.engines_seen(self.monitor.alive)
+        self.metrics.engines_seen(self.monitor.engines)
         return dead
 
     async def state_dict(self) -> dict:

@@ -169,7 +169,12 @@ class EngineConfig:
     (placement.engine_gpus), if any. sglang: `sglang.launch_server` on the actor's GPUs
     (the `sglang` extra). The last two are the server backends."""
     num_engines: int = positive(2)
-    """Engine actors (each one an inference server with its own batch)."""
+    """Engine actors (each one an inference server with its own batch). With min_engines, the target."""
+    min_engines: int | None = None
+    """An elastic fleet (preemptible nodes): the job runs while at least this many engines are placed, takes
+    back each missing one, caught up to the current weights, once Ray places it again, and waits (saying so)
+    below it. Each engine gets a placement group of its own, so it can land on any node with room. Between 1
+    and num_engines; None: every engine, placed together with the learner (a fixed fleet)."""
     max_num_seqs: int = positive(64)
     """Concurrency cap: sequences in the running batch (and KV-cache slots)."""
     max_model_len: int = positive(640)
@@ -205,6 +210,11 @@ class EngineConfig:
     directory under train.output_dir that every server loads."""
     weight_bucket_mb: float = positive(512.0)
     """broadcast and tensor: weights go in buckets of about this size."""
+
+    @property
+    def elastic(self) -> bool:
+        """Engines come and go (min_engines below num_engines): each is placed on its own."""
+        return self.min_engines is not None and self.min_engines < self.num_engines
 
     @property
     def broadcast_backend(self) -> str:
@@ -494,6 +504,9 @@ class PlacementConfig:
     bundles: placement.engine_gpus=0.5 learner.gpus=0.5 puts a disaggregated engine and learner on one device.
     Our engine (engine.backend cpu or cpu_http) runs on the GPU it is placed with."""
     engine_cpus: float = positive(1.0)
+    engine_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each engine bundle asks for besides CPUs and GPUs, e.g. {spot: 1} so that engines
+    land only on the (preemptible) nodes started with `ray start --resources='{"spot": 8}'`."""
     colocate: bool = False
     """true: learner rank i shares engine i's bundle (GPUs time-shared between rollout and training).
     false: disaggregated, the learner has bundles of its own."""
@@ -631,6 +644,12 @@ def _check_engines(cfg: Config) -> None:
     if e.weight_sync == "broadcast" and p.colocate and p.engine_gpus:
         raise ConfigError("engine.weight_sync: broadcast (NCCL) cannot join a learner and a server on one GPU; "
                           "colocated layouts use tensor")
+    if e.min_engines is not None and not 1 <= e.min_engines <= e.num_engines:
+        raise ConfigError(f"engine.min_engines: must be between 1 and engine.num_engines ({e.num_engines}), "
+                          f"got {e.min_engines}")
+    if e.elastic and p.colocate:
+        raise ConfigError("engine.min_engines: an elastic fleet places each engine on its own; colocated engines "
+                          "share their bundles with learner ranks (placement.colocate=false, or no min_engines)")
     if cfg.sampling.max_response_len >= cfg.engine.max_model_len:
         raise ConfigError(f"sampling.max_response_len: {cfg.sampling.max_response_len} leaves no room for the "
                           f"prompt in engine.max_model_len {cfg.engine.max_model_len}")

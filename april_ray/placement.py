@@ -1,4 +1,5 @@
-"""Placement math: the bundles of the one placement group that lays out a job (no Ray calls here)."""
+"""Placement math: the bundles of the one placement group that lays out a job, or of its learner ranks with a
+group of its own per engine (an elastic fleet, engine.min_engines) (no Ray calls here)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,6 +17,16 @@ class Layout:
     """Bundle index of each learner rank."""
     share: float
     """Fraction of its bundle that each actor asks for (0.5 when a learner and an engine share one)."""
+    elastic: bool = False
+    """Each engine's bundle is a placement group of its own (engine.min_engines), placed on any node with
+    room, again after its node left; the learner's bundles are the job's group (`learner_part`)."""
+    min_engines: int = 0
+    """An elastic fleet runs with at least this many engines placed."""
+
+    def learner_part(self) -> "Layout":
+        """The learner ranks' bundles alone (an elastic fleet's job group), in rank order."""
+        return Layout([self.bundles[b] for b in self.learner_bundles], self.strategy, [],
+                      list(range(len(self.learner_bundles))), 1.0)
 
     @property
     def colocated(self) -> bool:
@@ -33,7 +44,7 @@ def engine_bundle(cfg: Config) -> dict[str, float]:
     bundle = {"CPU": cfg.placement.engine_cpus}
     if cfg.placement.engine_gpus:
         bundle["GPU"] = float(cfg.placement.engine_gpus)
-    return bundle
+    return bundle | {k: float(v) for k, v in cfg.placement.engine_resources.items()}
 
 
 def learner_bundle(cfg: Config) -> dict[str, float]:
@@ -52,7 +63,8 @@ def plan(cfg: Config) -> Layout:
                   for k in {*engine_bundle(cfg), *learner_bundle(cfg)}}
         return Layout([merged] * n, cfg.placement.strategy, list(range(n)), list(range(r)), 0.5)
     bundles = [engine_bundle(cfg)] * n + [learner_bundle(cfg)] * r
-    return Layout(bundles, cfg.placement.strategy, list(range(n)), list(range(n, n + r)), 1.0)
+    return Layout(bundles, cfg.placement.strategy, list(range(n)), list(range(n, n + r)), 1.0,
+                  elastic=cfg.engine.elastic, min_engines=cfg.engine.min_engines or n)
 
 
 def total(resources: list[dict[str, float]]) -> dict[str, float]:

@@ -9,6 +9,11 @@ under the same actor handle, so the monitor, the evaluator and the driver keep a
 The restarted process holds its initial weights and refuses work (actors/engine_worker.py) until
 `catch_up` gives it the latest published weights; the rollout step does that while it runs and hands it
 back to the monitor (driver/rollout.py). Every other call here skips or retries an engine that is down instead of failing.
+
+An elastic fleet (engine.min_engines) places each engine in a placement group of its own: when its node
+leaves, Ray places the group again on any node with room, now or when a node joins, and restarts the engine
+there, which the rollout then catches up as after a crash. Engines on a node Ray reports draining are told
+to leave gracefully (`drain`).
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from april_ray.config import Config
 from april_ray.placement import Layout, actor_resources
 from april_ray.engine.base import EngineFailure
 from april_ray.types import Delivery
-from driver.placement import place
+from driver.placement import place, place_each
 
 log = logging.getLogger(__name__)
 
@@ -76,37 +81,56 @@ class EngineGroup:
     """Colocated servers give their GPU memory back while the learner trains (engine.weight_sync=tensor)."""
     released: bool = False
     journal: object = None
-    """The episodes' `ToolJournalActor` (None without rollout.episode_fn)."""
+    """The episodes' or agents' `ToolJournalActor` (None without rollout.episode_fn or rollout.agent_fn)."""
     loading: list = field(default_factory=list)
     """The engines' first `status` calls while they load (`start(wait=False)`), until `wait_loaded`."""
+    engine_groups: list = field(default_factory=list)
+    """An elastic fleet: each engine's placement group (the learner's is `placement_group`)."""
+    min_engines: int | None = None
+    """An elastic fleet: engine.min_engines, below which a step waits for engines to come back."""
+    missing: set = field(default_factory=set)
+    """An elastic fleet: engines not placed, or not caught up, when last looked at."""
+    nodes: dict = field(default_factory=dict)
+    """Engine -> the node it last answered from (`on_draining_nodes` looks for draining ones)."""
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, layout: Layout, version: int = 0, timeout_s: float = 300,
               wait: bool = True) -> "EngineGroup":
         """The engine actors, placed; loaded and serving when this returns, unless `wait=False`: then they
         load meanwhile (the driver starts the learner ranks alongside) and `wait_loaded()` waits for them."""
-        pg = place(layout, timeout_s)
+        n, engine_groups, placed = len(layout.engine_bundles), [], range(len(layout.engine_bundles))
+        if layout.elastic:
+            pg = place(layout.learner_part(), timeout_s)
+            engine_groups, placed = place_each(layout, timeout_s)
+            where = [PlacementGroupSchedulingStrategy(g, placement_group_bundle_index=0) for g in engine_groups]
+        else:
+            pg = place(layout, timeout_s)
+            where = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b) for b in layout.engine_bundles]
         journal = start_journal(cfg)
         actors = [
             EngineWorkerActor.options(
-                **actor_resources(layout, b),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
+                **actor_resources(layout, b), scheduling_strategy=where[index],
                 max_restarts=-1,  # a dead engine comes back in its bundle, under the same handle
             ).remote(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, str(model_path), version, index,
                      episodes=cfg.rollout, journal=journal, weights_root=disk_weights_dir(cfg))
             for index, b in enumerate(layout.engine_bundles)
         ]
-        group = cls(actors, [cfg.engine.max_num_seqs] * len(actors), pg, layout, (None, version), journal=journal,
-                    servers_take_weights=cfg.engine.weight_sync != "object_store",
-                    releases_memory=cfg.engine.releases_memory, loading=[e.status.remote() for e in actors])
+        group = cls(actors, [cfg.engine.max_num_seqs] * n, pg, layout.learner_part() if layout.elastic else layout,
+                    (None, version), journal=journal, servers_take_weights=cfg.engine.weight_sync != "object_store",
+                    releases_memory=cfg.engine.releases_memory, loading=[e.status.remote() for e in actors],
+                    engine_groups=engine_groups, min_engines=layout.min_engines if layout.elastic else None,
+                    missing=set(range(n)) - set(placed), incarnations=[None] * n)
         if wait:
             group.wait_loaded()
         return group
 
     def wait_loaded(self) -> None:
-        """Every engine has loaded the model and serves (an engine that failed to load raises here)."""
+        """Every engine placed has loaded the model and serves (an engine that failed to load raises here);
+        an elastic fleet's others are taken in once placed (driver/rollout.py)."""
         if self.loading:
-            self.incarnations = [st["incarnation"] for st in ray.get(self.loading)]
+            placed = [e for e in range(len(self.actors)) if e not in self.missing]
+            for e, st in zip(placed, ray.get([self.loading[e] for e in placed])):
+                self.incarnations[e], self.nodes[e] = st["incarnation"], st["node"]
             self.loading = []
 
     def take_weights_from(self, source) -> None:
@@ -120,7 +144,9 @@ class EngineGroup:
         An engine that is down misses them; it refuses work until `catch_up` brings it to this version. One
         that died and is already back takes them here, and its restart is counted here."""
         self.weights = (weights_ref, version)
-        for e, out in enumerate(settle([a.update_weights.remote(weights_ref, version) for a in self.actors])):
+        present = self.present()
+        calls = [self.actors[e].update_weights.remote(weights_ref, version) for e in present]
+        for e, out in zip(present, settle(calls, self.wait_s)):
             if isinstance(out, Exception):
                 log.warning("engine %d missed the weights of version %d (%s): caught up once it is back",
                             e, version, type(out).__name__)
@@ -141,8 +167,10 @@ class EngineGroup:
             return [None] * len(self.actors)
         if self.released:
             self.call_all("resume_memory", ["weights"])
-        got = settle([a.server_access.remote() for a in self.actors], timeout_s=60.0)
-        return [None if isinstance(g, Exception) else ServerAccess(*g) for g in got]
+        present = self.present()
+        got = dict(zip(present, settle([self.actors[e].server_access.remote() for e in present], timeout_s=60.0)))
+        return [ServerAccess(*got[e]) if e in got and not isinstance(got[e], Exception) else None
+                for e in range(len(self.actors))]
 
     def adopt(self, access: list[ServerAccess | None], deliveries: list[Delivery], version: int,
               wait_s: float = 5.0) -> None:
@@ -170,18 +198,42 @@ class EngineGroup:
 
     def call_all(self, method: str, *args) -> None:
         """One call to every engine; one that is down is skipped (it is caught up once back)."""
-        settle([getattr(a, method).remote(*args) for a in self.actors], timeout_s=60.0)
+        settle([getattr(self.actors[e], method).remote(*args) for e in self.present()], timeout_s=60.0)
+
+    def present(self) -> list[int]:
+        """The engines not known to be missing; an elastic fleet's also alive in Ray's view (a call to an
+        engine waiting for a node with room would wait with it)."""
+        down = self.down() if self.min_engines is not None else set()
+        return [e for e in range(len(self.actors)) if e not in self.missing and e not in down]
+
+    def down(self) -> set[int]:
+        """The engines Ray does not hold alive now: restarting, or waiting for a node with room after theirs
+        left. Ray keeps a call to such an engine until it is placed again, which may be never."""
+        from ray._private import state
+
+        return {e for e, a in enumerate(self.actors)
+                if state.state.actor_table(a._actor_id.hex()).get("State") != "ALIVE"}
+
+    @property
+    def wait_s(self) -> float | None:
+        """How long a weight update may wait for an engine: an elastic fleet's may be waiting to be placed
+        (it is caught up once back); a fixed fleet's are all placed."""
+        return None if self.min_engines is None else 120.0
 
     def saw(self, e: int, incarnation: str) -> None:
         """Engine `e` answered from process `incarnation` (here or through a weight channel): a new one is a
         restart."""
         if incarnation != self.incarnations[e]:
+            self.restarts += self.incarnations[e] is not None  # None: placed late (elastic), not restarted
             self.incarnations[e] = incarnation
-            self.restarts += 1
 
     def catch_up(self, engines: list[int], wait_s: float) -> list[int]:
         """Of `engines`, those that answer within `wait_s` and now serve the latest weights (restarted ones
-        get them first); counts restarts. The others are still down."""
+        get them first); counts restarts. The others are still down (an elastic fleet's engines that Ray has
+        not placed again are not asked: a call would wait for them)."""
+        if self.min_engines is not None:
+            down = self.down()
+            engines = [e for e in engines if e not in down]
         ref, version = self.weights
         status = settle([self.actors[e].status.remote() for e in engines], wait_s)
         behind = []
@@ -189,6 +241,7 @@ class EngineGroup:
             if isinstance(st, Exception):
                 continue
             self.saw(e, st["incarnation"])
+            self.nodes[e] = st["node"]
             if not st["serving"] or st["version"] != version:
                 behind.append(e)
         if behind and ref is None and version > 0:
@@ -218,15 +271,30 @@ class EngineGroup:
                 return up
             time.sleep(1.0)
 
+    def on_draining_nodes(self) -> list[int]:
+        """The engines whose node Ray reports draining (`ray drain-node`, an autoscaler's preemption or
+        scale-down notice)."""
+        from ray._private import state
+
+        draining = state.state.get_draining_nodes()
+        return sorted(e for e, node in self.nodes.items() if node in draining)
+
+    def drain(self, engines: list[int], timeout_s: float = 60.0) -> None:
+        """These engines leave gracefully: each returns once its running calls handed back their partial
+        samples with every token (one that is down already is skipped)."""
+        settle([self.actors[e].drain.remote() for e in engines], timeout_s)
+
     def urls(self) -> list[str]:
         """A server backend: each engine's server, in engine order."""
         return ray.get([e.server_url.remote() for e in self.actors])
 
     def stats(self, drain: bool = True) -> list:
-        """Each engine's statistics; None for an engine that is down (counted in `stats_skipped`)."""
-        stats = settle([e.stats.remote(drain) for e in self.actors], timeout_s=10.0)
-        self.stats_skipped += sum(isinstance(st, Exception) for st in stats)
-        return [None if isinstance(st, Exception) else st for st in stats]
+        """Each engine's statistics; None for an engine that is down (counted in `stats_skipped`) or missing
+        (an elastic fleet's: not asked, it would not answer)."""
+        asked = self.present()
+        got = dict(zip(asked, settle([self.actors[e].stats.remote(drain) for e in asked], timeout_s=10.0)))
+        self.stats_skipped += sum(isinstance(st, Exception) for st in got.values())
+        return [None if isinstance(got.get(e), Exception) else got.get(e) for e in range(len(self.actors))]
 
     def occupancy_metrics(self, stats: list) -> dict[str, float]:
         """From the engines' `stats()`: running-batch occupancy since they were last drained (mean over decode
@@ -253,7 +321,8 @@ class EngineGroup:
     def shutdown(self) -> None:
         for actor in self.actors + ([self.journal] if self.journal is not None else []):
             ray.kill(actor)
-        ray.util.remove_placement_group(self.placement_group)
+        for pg in [self.placement_group, *self.engine_groups]:
+            ray.util.remove_placement_group(pg)
 
 
 def disk_weights_dir(cfg: Config) -> str:
@@ -262,9 +331,10 @@ def disk_weights_dir(cfg: Config) -> str:
 
 
 def start_journal(cfg: Config):
-    """With episodes, the job's tool journal: on the driver's node, its file in train.output_dir (a resumed
-    job reads it back, so no tool call that returned runs again after a restart)."""
-    if not cfg.rollout.episode_fn:
+    """With episodes or agents, the job's tool journal: on the driver's node, its file in train.output_dir (a
+    resumed job reads it back, so no tool call that returned runs again after a restart; an agent's calls
+    reach it through its endpoint's `/v1/april/journal`)."""
+    if not (cfg.rollout.episode_fn or cfg.rollout.agent_fn):
         return None
     node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     path = Path(cfg.train.output_dir).resolve() / "tool_journal.jsonl"

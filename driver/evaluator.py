@@ -52,7 +52,8 @@ class Evaluator:
         shards = {i: items[i::n] for i in range(n)}
         results: dict[int, list] = {}
         for attempt in range(ATTEMPTS):
-            up = list(range(n)) if attempt == 0 else self.engines.serving()
+            # an elastic fleet's missing engines never answer: their shards go to the others at once
+            up = self.engines.present() if attempt == 0 else self.engines.serving()
             if not up:
                 break
             todo = [i for i in shards if i not in results]
@@ -82,3 +83,19 @@ class Evaluator:
                                self.eval.pass_reward)
         self.engines.stats(drain=True)  # keep evaluation out of rollout occupancy
         return out
+
+
+class EvalHistory:
+    """The summary's `history`: (training wall seconds, held-out accuracy) of each evaluated step, in step
+    order. A step redone after a restore (driver/restore.py) evaluates again, and that evaluation replaces
+    the abandoned one: one point per step, as `jobs.bench.train` reads them."""
+
+    def __init__(self):
+        self.by_step: dict[int, tuple[float, float]] = {}
+
+    def add(self, step: int, train_s: float, accuracy: float) -> None:
+        """After `step` steps (0: before training)."""
+        self.by_step[step] = (train_s, accuracy)
+
+    def points(self) -> list[tuple[float, float]]:
+        return [self.by_step[s] for s in sorted(self.by_step)]

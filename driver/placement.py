@@ -1,4 +1,5 @@
-"""The job's one placement group on the cluster: made, and waited for while saying what it waits for.
+"""The job's one placement group on the cluster: made, and waited for while saying what it waits for; and
+an elastic fleet's placement group per engine (`place_each`).
 
 A placement the cluster can never hold (`april_ray.placement.never_fits` on the nodes' totals) fails at once
 unless an autoscaler may add nodes; one that waits for resources in use, or for an autoscaler, says so after
@@ -46,6 +47,34 @@ def place(layout: Layout, timeout_s: float = 300, remind_s: float = REMIND_S):
         raise PlacementError(f"could not be placed within {timeout_s:.0f}s: {waits_for(layout)}. "
                              f"{advice(never or '')}")
     return pg
+
+
+def place_each(layout: Layout, timeout_s: float = 300, remind_s: float = REMIND_S) -> tuple[list, list[int]]:
+    """An elastic fleet's engines: a placement group of one bundle per engine, each placed on any node with
+    room (and by Ray again, on any node with room, after its node left). Returns the groups and the engines
+    placed, once at least `layout.min_engines` are; the others are placed whenever room comes (a node
+    joins). `PlacementError` when an engine's bundle never fits, or too few are placed within `timeout_s`."""
+    bundles = [layout.bundles[b] for b in layout.engine_bundles]
+    nodes = list(state.total_resources_per_node().values())
+    never = never_fits(bundles[:1], "PACK", nodes)
+    if never and autoscaler() is None:
+        raise PlacementError(f"an engine's bundle {bundles[0]}: the cluster can never hold it ({never}), and no "
+                             f"autoscaler can add nodes. {advice(never)}")
+    pgs = [placement_group([b], strategy="PACK") for b in bundles]
+    refs, start, need = [pg.ready() for pg in pgs], time.monotonic(), layout.min_engines
+    for k in itertools.count():
+        at = min(FIRST_LOOK_S + k * remind_s, timeout_s)
+        done, _ = ray.wait(refs, num_returns=need, timeout=max(0.0, start + at - time.monotonic()))
+        if len(done) >= need:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            return pgs, [e for e, ref in enumerate(refs) if ref in done]
+        if at >= timeout_s:
+            for pg in pgs:
+                remove_placement_group(pg)
+            raise PlacementError(f"{len(done)} of engine.min_engines={need} engines placed within {timeout_s:.0f}s: "
+                                 f"{waits_for(Layout(bundles, 'PACK', [], [], 1.0))}. {advice(never or '')}")
+        print(f"{len(done)} of engine.min_engines={need} engines placed; waiting up to {timeout_s:.0f}s: "
+              f"{waits_for(Layout(bundles, 'PACK', [], [], 1.0))}", flush=True)
 
 
 def placed(pg, layout: Layout, timeout_s: float, remind_s: float, why: str) -> bool:

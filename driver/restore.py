@@ -2,8 +2,10 @@
 the partial-rollout store or the prompt source.
 
 The driver learns of the death where it waits (a call of the dead actor's, or of one that called it,
-fails) and asks every one of those actors whether it still answers (`dead_actors`); an error with none
-dead is the job's own and stops it as before. Otherwise the engines keep running and everything else goes
+fails). Most errors name the dead actor (Ray's `ActorDiedError`, raised as is or as the cause of the calling
+actor's error); only an error that names none of the job's actors asks every one of them whether it still
+answers (`dead_actors`: a learner rank whose collective lost its peer, an object whose owner died), and one
+with none dead is the job's own and stops it as before. Otherwise the engines keep running and everything else goes
 back to the newest checkpoint, as `train.resume=true` would take it, without the engines' restart:
 
 1. the monitor, store, source and learner ranks are killed (the living too: their state is past the
@@ -26,7 +28,7 @@ import json
 import time
 
 import ray
-from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError
+from ray.exceptions import ActorDiedError, OutOfMemoryError, RayActorError
 
 from driver.checkpoint import find_checkpoint, restore_checkpoint
 from driver.learners import LearnerGroup
@@ -34,6 +36,8 @@ from driver.records import read_rows
 from driver.rollout import RolloutGroup
 
 RESTORES = "restores.jsonl"
+PING_S = 15.0
+"""How long `dead_actors` waits for all the pings together; an actor busy past it is taken as alive."""
 
 
 class JobStopped(RuntimeError):
@@ -50,7 +54,7 @@ class Restorer:
     def restore(self, error: Exception, step: int) -> tuple[int, int]:
         """After `error` in `step`: (the step to run next, the policy version the engines serve) once the
         job is back at its newest checkpoint. Re-raises `error` when no actor of the job died."""
-        dead = self.dead_actors()
+        dead = self.dead_actors(error)
         if not dead:
             raise error
         what = " and ".join(dead)
@@ -76,23 +80,21 @@ class Restorer:
               f"{version}", flush=True)
         return start, version
 
-    def dead_actors(self, timeout_s: float = 60) -> list[str]:
-        """The job's actors other than the engines that no longer answer (an actor busy past `timeout_s`
-        is taken as alive)."""
+    def actors(self) -> list[tuple[str, object]]:
+        """(name, handle) of every actor a restore replaces."""
         rollout, learners = self.run.rollout, self.run.learners
         named = [("the completion monitor", rollout.monitor), ("the partial-rollout store", rollout.store),
                  ("the prompt source", rollout.source)]
-        named += [(f"learner rank {r}", a) for r, a in enumerate(learners.actors)]
-        pings = [actor.__ray_ready__.remote() for _, actor in named]
-        dead = []
-        for (name, _), ping in zip(named, pings):
-            try:
-                ray.get(ping, timeout=timeout_s)
-            except (RayActorError, OutOfMemoryError):
-                dead.append(name)
-            except GetTimeoutError:
-                pass
-        return dead
+        return named + [(f"learner rank {r}", a) for r, a in enumerate(learners.actors)]
+
+    def dead_actors(self, error: Exception, timeout_s: float = PING_S) -> list[str]:
+        """The job's actors other than the engines that died: those `error` names, without asking anyone
+        (a restore replaces them all, so a second death it does not name is restored too); when it names
+        none, those that fail a ping, every one pinged at once."""
+        named = self.actors()
+        told = died_in(error)
+        dead = [name for name, actor in named if actor._actor_id.hex() in told]
+        return dead or unanswered(named, timeout_s)
 
     def _restore(self, step: int) -> tuple[int, int, str | None]:
         run, cfg = self.run, self.cfg
@@ -116,3 +118,32 @@ class Restorer:
         ckpt = find_checkpoint(self.run.out, log=lambda _: None, run=self.run.lock.run)
         where = f"from {ckpt.name}" if ckpt else "from step 0 (no checkpoint yet)"
         return JobStopped(f"{what}. The job stops; `{resume}` goes on {where}")
+
+
+def died_in(error: BaseException) -> set[str]:
+    """The actor ids (hex) that `error` says died: its own `ActorDiedError`, or one it was caused by (a call
+    of another actor that failed on the dead one: Ray's `RayTaskError` with the death as its `cause`)."""
+    ids, seen, todo = set(), set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ActorDiedError) and getattr(e, "actor_id", None):
+            ids.add(e.actor_id)
+        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    return ids
+
+
+def unanswered(named: list[tuple[str, object]], timeout_s: float) -> list[str]:
+    """The names of the actors whose ping fails within `timeout_s` (one deadline for all of them)."""
+    pings = [actor.__ray_ready__.remote() for _, actor in named]
+    ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
+    dead = []
+    for (name, _), ping in zip(named, pings):
+        if ping in ready:
+            try:
+                ray.get(ping)
+            except (RayActorError, OutOfMemoryError):
+                dead.append(name)
+    return dead

@@ -22,6 +22,7 @@ import ray
 from actors.metrics import DriverMetrics
 from april_ray.tracking import Tracker
 from driver.checkpoint import save_checkpoint
+from driver.evaluator import EvalHistory
 from driver.records import GroupLog, IdleShares, PhaseClock, staleness_metrics
 from driver.restore import Restorer
 from driver.setup import start_run
@@ -39,7 +40,8 @@ def train(cfg) -> dict:
     records = GroupLog(out, cfg.staleness, fresh=not cfg.train.resume)
     restorer = Restorer(cfg, run, tracker)  # an actor's death: back to the newest checkpoint, engines kept
     t0 = time.perf_counter()
-    train_s, history = 0.0, [(0.0, before["eval/accuracy_t1"])]  # training time excludes evaluation
+    train_s, history = 0.0, EvalHistory()  # training time excludes evaluation
+    history.add(run.start, 0.0, before["eval/accuracy_t1"])
     clock = PhaseClock()  # seconds per phase of each step, and over the run
 
     idle = IdleShares(busy_seconds(engines.stats(drain=False)))
@@ -67,7 +69,7 @@ def train(cfg) -> dict:
                 metrics |= evaluated
                 clock.mark("eval")
                 exported.record_eval(metrics)
-                history.append((train_s, metrics["eval/accuracy_t1"]))
+                history.add(step + 1, train_s, metrics["eval/accuracy_t1"])
             metrics |= clock.metrics() | ray.get(run.rollout.store.stats.remote(version))
             metrics |= idle.metrics(busy_seconds(engines.stats(drain=False)), clock.totals)
             exported.record_step(step + 1, clock.step, metrics)
@@ -85,7 +87,7 @@ def train(cfg) -> dict:
         after = evaluator.run(version)
         exported.record_eval(after)
         tracker.log(max(step, 0) + 1, after, advance=False)
-        history.append((train_s, after["eval/accuracy_t1"]))
+        history.add(step + 1, train_s, after["eval/accuracy_t1"])
     idle_shares = idle.metrics(busy_seconds(engines.stats(drain=False)), clock.totals)
     tracker.close()
     run.shutdown()
@@ -93,7 +95,7 @@ def train(cfg) -> dict:
             "accuracy_before_greedy": before.get("eval/accuracy_greedy"),
             "accuracy_after_greedy": after.get("eval/accuracy_greedy"),
             "steps": cfg.train.num_steps - run.start, "wall_s": time.perf_counter() - t0,
-            "final_version": version, "output_dir": str(out), "train_s": train_s, "history": history,
+            "final_version": version, "output_dir": str(out), "train_s": train_s, "history": history.points(),
             "time_s": {f"{phase}_s": round(t, 3) for phase, t in clock.totals.items()},
             "engine_idle_fraction": idle_shares["job/engine_idle_fraction"],
             "learner_idle_fraction": idle_shares["job/learner_idle_fraction"],

@@ -3,6 +3,7 @@
     python -m jobs.chaos --config configs/tiny_cpu.yaml --kills K --json PATH [--seed S] [key=value ...]
     python -m jobs.chaos --config configs/tiny_cpu.yaml --kill-actors learner,monitor,store,source --json PATH
     python -m jobs.chaos --config configs/tiny_cpu.yaml --driver-kills N --json PATH [key=value ...]
+    python -m jobs.chaos --config configs/tiny_cpu.yaml --node-churn --json PATH [key=value ...]
 
 `--kills K` runs `driver.train.train` while a thread kills K engine worker processes with SIGKILL, as a user
 would (`kill -9` of a `ray::EngineWorkerActor` process; only processes of this job's own Ray). The kills
@@ -24,6 +25,9 @@ listed in `actors_absent`). A checkpoint every 3 steps unless `train.save_every`
 
 `--driver-kills N` kills the driver instead and resumes it (jobs/chaos_driver.py).
 
+`--node-churn` runs an elastic fleet on a multi-raylet cluster of this machine instead, while a worker node is
+preempted gracefully, one joins and another is lost by SIGKILL of its raylet (jobs/chaos_nodes.py).
+
 Without overrides the run is short: `train.num_steps=30`, a held-out set of 128 prompts evaluated every 10
 steps, output in outputs/chaos, wandb off. Key=value overrides come after these and win.
 """
@@ -43,6 +47,7 @@ from april_ray.config import ConfigError, add_config_args, config_from_args
 from driver.records import check_records
 from driver.restore import RESTORES
 from jobs.chaos_driver import ToolRecords, read_jsonl, run_driver_kills, tool_calls_across_kills
+from jobs.chaos_nodes import NODE_CHURN_DEFAULTS, run_node_churn
 
 DEFAULTS = ["train.num_steps=30", "task.num_eval=128", "train.eval_every=10", "train.output_dir=outputs/chaos",
             "logging.wandb_mode=disabled"]
@@ -289,10 +294,13 @@ def main() -> None:
     parser.add_argument("--kill-actors", type=lambda v: [k for k in v.split(",") if k], default=[],
                         help=f"actors to SIGKILL once each, comma-separated, of: {', '.join(ACTOR_TITLES)}")
     parser.add_argument("--driver-kills", type=int, default=0, help="times to SIGKILL the driver and resume it")
+    parser.add_argument("--node-churn", action="store_true",
+                        help="an elastic fleet on a multi-raylet cluster: a node preempted, one joining, one lost")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     parser.add_argument("--json", help="write the result JSON here")
     args = parser.parse_intermixed_args()
-    args.overrides = DEFAULTS + (ACTOR_DEFAULTS if args.kill_actors else []) + args.overrides
+    args.overrides = (DEFAULTS + (ACTOR_DEFAULTS if args.kill_actors else [])
+                      + (NODE_CHURN_DEFAULTS if args.node_churn else []) + args.overrides)
     try:
         cfg = config_from_args(args)
     except ConfigError as e:
@@ -302,10 +310,12 @@ def main() -> None:
     unknown = sorted(set(args.kill_actors) - set(ACTOR_TITLES))
     if unknown:
         parser.error(f"--kill-actors: {', '.join(unknown)}: not one of {', '.join(ACTOR_TITLES)}")
-    if args.kill_actors and (args.kills or args.driver_kills):
-        parser.error("--kill-actors runs on its own (not with --kills or --driver-kills)")
+    if sum(map(bool, (args.kill_actors, args.kills or args.driver_kills, args.node_churn))) > 1:
+        parser.error("--kill-actors and --node-churn each run on their own (not with --kills or --driver-kills)")
     result = {}
-    if args.kill_actors:
+    if args.node_churn:
+        result |= run_node_churn(cfg)
+    elif args.kill_actors:
         result |= run_actor_kills(cfg, args)
     elif args.kills or not args.driver_kills:
         result |= run_engine_kills(cfg, args)

@@ -65,15 +65,18 @@ def run_driver_kills(cfg, args, env: dict | None = None) -> dict:
            *getattr(args, "overrides", []), f"train.output_dir={out}"]
     env = {**(os.environ if env is None else env), "RAY_ADDRESS": "",  # each driver starts a local Ray of its own
            "APRIL_RAY_TOOL_LOG": str((out / "tool_calls.jsonl").resolve())}  # the agent task's call log
-    t0, runs, watched, at_kills = time.time(), [], [], []
+    t0, runs, watched, at_kills, killed_at = time.time(), [], [], [], None
     for i, at in enumerate([*at_steps, None]):
-        run = Run(cmd + (["train.resume=true"] if i else []), out / f"run{i}.log", env)
+        run = Run(cmd + (["train.resume=true"] if i else []), out / f"run{i}.log", env, out / "metrics.jsonl")
         if at is None:
             runs.append(run.finish())
         else:
-            runs.append(run.kill_after(out / "metrics.jsonl", at, rng))
+            runs.append(run.kill_after(at, rng))
             watched += run.watched
             at_kills.append(ToolRecords.read(out))
+        if killed_at is not None:  # from the kill to the resumed job's first step (a person's delay: none)
+            runs[-1]["recovery_s"] = run.first_row and round(run.first_row - killed_at, 1)
+        killed_at = run.killed_at
     time.sleep(2.0)  # a killed run's processes had minutes; this is only for the last one's watchdog
     stray = [f"{p.pid} {name(p)}" for p in watched if p.is_running()]
     result = {"driver_kills": kills, "driver_kill_steps": at_steps, "runs": runs, "stray_processes": len(stray),
@@ -94,19 +97,32 @@ def name(p: psutil.Process) -> str:
 
 
 class Run:
-    """One driver subprocess in `env`, its output in `log`."""
+    """One driver subprocess in `env`, its output in `log`, its step rows appended to `metrics`."""
 
-    def __init__(self, cmd: list[str], log: Path, env: dict):
-        self.log = log
+    def __init__(self, cmd: list[str], log: Path, env: dict, metrics: Path):
+        self.log, self.metrics = log, metrics
+        self.before = {line for line, _ in step_rows(metrics)}  # earlier runs': this run's are the lines not in it
+        self.new: dict[int, float] = {}
+        """Step -> when this run's row of it was first seen."""
         self.file = open(log, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.file, stderr=subprocess.STDOUT, env=env)
         self.watched: list[psutil.Process] = []
         self.t0 = time.time()
+        self.killed_at: float | None = None
 
-    def kill_after(self, metrics: Path, at: int, rng: random.Random, timeout_s: float = 1800) -> dict:
+    @property
+    def first_row(self) -> float | None:
+        """When this run's first step row was seen."""
+        return min(self.new.values(), default=None)
+
+    def _watch(self) -> None:
+        for line, step in step_rows(self.metrics):
+            if line not in self.before:
+                self.new.setdefault(step, time.time())
+
+    def kill_after(self, at: int, rng: random.Random, timeout_s: float = 1800) -> dict:
         """SIGKILL the driver a random part of a step after the row of step `at` is written."""
-        before = set(step_rows(metrics))  # rows of earlier runs: this run's own rows are the lines not in it
-        new: dict[int, float] = {}
+        new = self.new
         while at not in new:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the driver exited ({self.proc.returncode}) before step {at}; see {self.log}:\n"
@@ -114,9 +130,7 @@ class Run:
             if time.time() - self.t0 > timeout_s:
                 self.proc.kill()
                 raise TimeoutError(f"step {at} not reached within {timeout_s:.0f}s; see {self.log}")
-            for line, step in step_rows(metrics):
-                if line not in before:
-                    new.setdefault(step, time.time())
+            self._watch()
             time.sleep(0.1)
         times = sorted(new.values())  # rows this run wrote: their spacing is a step's time
         gaps = sorted(b - a for a, b in zip(times, times[1:]))
@@ -127,6 +141,7 @@ class Run:
                                f"{at}; see {self.log}")
         self.watched = [p for p in psutil.Process(self.proc.pid).children(recursive=True)]
         os.kill(self.proc.pid, signal.SIGKILL)
+        self.killed_at = time.time()
         self.proc.wait()
         self.file.close()
         psutil.wait_procs(self.watched, timeout=30)  # the job's processes end with it (the tool journal's too)
@@ -137,7 +152,11 @@ class Run:
 
     def finish(self, timeout_s: float = 3600) -> dict:
         try:
-            code = self.proc.wait(timeout_s)
+            while self.proc.poll() is None and time.time() - self.t0 < timeout_s:
+                if not self.new:  # only its first row is wanted here (`first_row`)
+                    self._watch()
+                time.sleep(0.2)
+            code = self.proc.wait(1)
         finally:
             self.file.close()
         if code != 0:

@@ -12,23 +12,24 @@ import aiohttp
 import pytest
 
 from april_ray.rollout.agent_chat import MODEL, bare_tool_calls, parse_request, qwen3_tool_calls
-from april_ray.rollout.agent_endpoint import IDEMPOTENCY_HEADER, AgentEndpoint, match
+from april_ray.rollout.agent_endpoint import IDEMPOTENCY_HEADER, JOURNAL_PATH, AgentEndpoint, match
 from april_ray.rollout.engine_worker import EngineWorker
 from april_ray.rollout.episode import ToolJournal
 from april_ray.rollout.store import sample_from_json, sample_to_json
 from april_ray.task import lookup_countdown, lookup_openai
 from april_ray.types import FinishReason, GenerateOutput, Sample, SampleState, SamplingParams
+from tests.prefetch import shared_job
 from test_episode import TOK, TranscriptEngine, fresh, right_response, tool_calls, tool_log  # noqa: F401
 
 DATA = Path(__file__).parent / "data"
 
 
-def agent_worker(agent_fn, engine=None, tok=TOK, reward=lookup_countdown.reward):
+def agent_worker(agent_fn, engine=None, tok=TOK, reward=lookup_countdown.reward, journal=None):
     engine = engine or TranscriptEngine()
     sp = SamplingParams(temperature=1.0, max_new_tokens=512, stop_token_ids=(tok.eos_token_id,))
     worker = EngineWorker(engine, lambda ids: tok.decode(ids, skip_special_tokens=True), reward, sp, tok.encode)
     endpoint = AgentEndpoint(agent_fn, tok, 1024)
-    worker.use_episodes(endpoint, ToolJournal(), max_model_len=1024, tool_timeout_s=5.0,
+    worker.use_episodes(endpoint, journal or ToolJournal(), max_model_len=1024, tool_timeout_s=5.0,
                         encode=lambda text: tok.encode(text, add_special_tokens=False))
     return engine, worker, endpoint
 
@@ -62,6 +63,18 @@ def test_the_openai_agent_trains_on_the_handle_episodes_tokens(tool_log):
     assert [c["key"] for c in calls] == ["ab", "qd", "zz"] and len({c["call"] for c in calls}) == 3
     assert all(c["call"].startswith("e0p0s0/0/0/") and c["call"].endswith("/agent") for c in calls)
     assert not endpoint.sessions and not endpoint.by_sample  # nothing of a finished episode is kept
+
+
+def test_the_openai_agent_keeps_one_client_per_event_loop_and_endpoint():
+    """Each episode once built its own client, and with it an HTTP client loading the CA bundle on the
+    engine's event loop (the agent path's largest cost; under load its agents' connects timed out)."""
+    async def clients():
+        return [lookup_openai.client_for(url) for url in ("http://127.0.0.1:1/v1", "http://127.0.0.1:1/v1",
+                                                          "http://127.0.0.1:2/v1")]
+
+    a, b, c = asyncio.run(clients())
+    assert a is b and c is not a
+    assert asyncio.run(clients())[0] is not a  # a client's connections belong to its loop
 
 
 @pytest.mark.parametrize("num_calls", [0, 1, 2, 3])
@@ -102,9 +115,11 @@ def test_an_open_request_survives_an_abort_and_resumes_to_the_same_tokens(tool_l
 def test_a_sample_resumed_on_another_engine_replays_its_agent_with_the_same_keys(tool_log):
     """A partial resumed by a worker whose agent never saw it: a fresh agent, answered its recorded turns
     (exact tokens, nothing regenerated), goes on from the interrupted one; its tool calls carry the same
-    idempotency keys as the first agent's."""
+    idempotency keys as the first agent's, so the job's journal answers those the first agent made (each
+    call runs once)."""
     prompt = "ab,qd,zz-2:"
-    engine, worker, endpoint = agent_worker(lookup_openai.agent)
+    journal = ToolJournal()  # the job's, which every engine shares
+    engine, worker, endpoint = agent_worker(lookup_openai.agent, journal=journal)
 
     async def first():
         call = asyncio.ensure_future(worker.generate_group([fresh(prompt)], ("run", 1)))
@@ -119,7 +134,7 @@ def test_a_sample_resumed_on_another_engine_replays_its_agent_with_the_same_keys
 
     part, n = asyncio.run(first())
     assert part.state == SampleState.PARTIAL
-    engine2, worker2, endpoint2 = agent_worker(lookup_openai.agent)
+    engine2, worker2, endpoint2 = agent_worker(lookup_openai.agent, journal=journal)
 
     async def second():
         [_], [done] = await worker2.generate_group([part], ("run", 2))
@@ -129,12 +144,9 @@ def test_a_sample_resumed_on_another_engine_replays_its_agent_with_the_same_keys
     done = asyncio.run(second())
     assert done.reward == 1.0 and done.response_ids[:len(part.response_ids)] == part.response_ids
     assert done.response_ids == handle_episode(prompt).response_ids
-    calls = tool_calls(tool_log)
-    by_key = {}
-    for c in calls:
-        by_key.setdefault(c["key"], set()).add(c["call"])
-    assert all(len(keys) <= 2 for keys in by_key.values())  # the agent's and the reference episode's
-    assert [c["call"] for c in calls[n:2 * n]] == [c["call"] for c in calls[:n]]  # replayed: the same keys
+    agent_calls = [c for c in tool_calls(tool_log) if c["call"].endswith("/agent")]  # not the reference's
+    assert [c["key"] for c in agent_calls] == ["ab", "qd", "zz"] and len({c["call"] for c in agent_calls}) == 3
+    assert worker2.tool_stats().replays == n  # the replay's first n calls: answered by the journal, same keys
     assert endpoint2.stats.mismatch == 0
 
 
@@ -270,7 +282,8 @@ def test_qwen3_tool_calls_round_trip_with_the_sampled_tokens(qwen3):
 
 
 def test_tool_call_parsers():
-    assert (lookup_openai.MODEL, lookup_openai.IDEMPOTENCY_HEADER) == (MODEL, IDEMPOTENCY_HEADER)
+    assert (lookup_openai.MODEL, lookup_openai.IDEMPOTENCY_HEADER, "/v1" + lookup_openai.JOURNAL) == (
+        MODEL, IDEMPOTENCY_HEADER, JOURNAL_PATH)
     tools = lookup_openai.TOOLS
     content, [c] = qwen3_tool_calls('ok <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>', tools)
     assert content == "ok" and c["function"] == {"name": "f", "arguments": '{"x": 1}'}
@@ -360,6 +373,37 @@ def test_wrong_keys_and_malformed_requests_get_openais_error_shape():
     assert endpoint.stats.errors == len(malformed_bodies()) + 2 and s.response_ids == []
 
 
+def test_the_journal_keeps_an_agents_tool_results_for_its_own_sample_only():
+    """`POST /v1/april/journal`: 404 before a result is recorded, the result after (the first one kept);
+    another sample's key 403, another episode's API key 401, a body without a key 400."""
+    answers = []
+
+    async def agent(base_url, api_key, row):
+        mine, other = f"{row['sample_id']}/1/0/abc/agent", "e9p9s9/1/0/abc/agent"
+        bodies = [(api_key, {"key": mine}), (api_key, {"key": mine, "value": 7}), (api_key, {"key": mine, "value": 8}),
+                  (api_key, {"key": mine}), (api_key, {"key": other}), (api_key + "x", {"key": mine}),
+                  (api_key, {"value": 1})]
+        async with aiohttp.ClientSession() as http:
+            for key, body in bodies:
+                async with http.post(base_url.removesuffix("/v1") + JOURNAL_PATH, json=body,
+                                     headers={"Authorization": f"Bearer {key}"}) as r:
+                    answers.append((r.status, (await r.json()).get("value")))
+        return 0.5
+
+    _, worker, endpoint = agent_worker(agent)
+
+    async def run():
+        out = await worker.generate_group([fresh("ab-1:")], ("run", 0))
+        await endpoint.close()
+        return out
+
+    [meta], [s] = asyncio.run(run())
+    assert meta.error is None and s.reward == 0.5
+    assert answers == [(404, None), (200, None), (200, None), (200, 7), (403, None), (401, None), (400, None)]
+    stats = worker.tool_stats()
+    assert (stats.calls, stats.replays) == (2, 1) and endpoint.stats.errors == 3  # 403, 401, 400: not the 404
+
+
 def test_an_agent_whose_client_raises_on_a_4xx_fails_its_episode_only():
     from openai import AsyncOpenAI, NotFoundError
 
@@ -400,22 +444,33 @@ def test_agent_fn_is_checked_before_ray_starts(tmp_path):
             check_plugins(bad)
 
 
-@pytest.mark.slow
-def test_a_job_trains_the_openai_agent_on_a_local_ray(random_model_dir, tmp_path, user_env):
-    """`jobs.train` on the agent config with `rollout.agent_fn` (a random tiny model, short steps, one engine):
-    exits 0, and its metrics report the agents' requests, resumes and mismatches."""
+@shared_job
+def agent_job_run(tmp_path_factory, model_dir):
+    """`jobs.train` on the agent config with `rollout.agent_fn` (a random tiny model, short steps, one engine),
+    run once in the background while other tests run (tests/prefetch.py)."""
     import subprocess
 
+    from tests.conftest import USER_ENV
     from tests.local_job import ROOT, train_command
 
-    cmd = train_command("configs/tiny_agent_cpu.yaml", random_model_dir, tmp_path, 'rollout.episode_fn=""',
+    tmp = tmp_path_factory.mktemp("agent-job")
+    cmd = train_command("configs/tiny_agent_cpu.yaml", model_dir, tmp, 'rollout.episode_fn=""',
                         "rollout.agent_fn=april_ray.task.lookup_openai:agent", "train.num_steps=3",
                         "train.eval_every=100", "train.save_every=100", "task.num_train=200", "task.num_eval=8",
                         "rollout.rollout_batch_size=4", "rollout.over_sampling_batch_size=8",
                         "rollout.n_samples_per_prompt=4", "sampling.max_response_len=48", "engine.max_model_len=192",
                         "engine.num_engines=1", "learner.backend=torch", "logging.wandb_mode=disabled",
                         "logging.dashboard=false")
-    proc = subprocess.run(cmd, cwd=ROOT, env=user_env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, env={**USER_ENV, "RAY_ADDRESS": ""}, capture_output=True, text=True,
+                          timeout=900)
+    return tmp, proc
+
+
+@pytest.mark.slow
+def test_a_job_trains_the_openai_agent_on_a_local_ray(agent_job_run):
+    """The agent job (`agent_job_run`) exits 0, and its metrics report the agents' requests, resumes and
+    mismatches."""
+    tmp_path, proc = agent_job_run
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     metrics = [m for m in metrics if "rollout/wall_s" in m]  # the training steps' (not the evaluation's)

@@ -32,7 +32,7 @@ METRICS = {
     "april_rollout_trained_tokens_total": "counter", "april_rollout_off_policy_tokens_total": "counter",
     "april_step_phase_seconds_total": "counter", "april_steps_total": "counter", "april_idle_fraction": "gauge",
     "april_mismatch_log_ratio": "gauge", "april_mismatch_kl": "gauge", "april_mismatch_correction_share": "gauge",
-    "april_mismatch_tokens_total": "counter",
+    "april_mismatch_tokens_total": "counter", "april_engine_leaves_total": "counter", "april_live_engines": "gauge",
 }
 
 

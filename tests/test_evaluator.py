@@ -35,6 +35,10 @@ def test_a_retry_that_puts_several_shards_on_one_engine_gives_each_its_own_reque
         actors = [Actor(e) for e in range(4)]
 
         @staticmethod
+        def present():  # every engine placed (a fixed fleet)
+            return list(range(4))
+
+        @staticmethod
         def serving():
             return [0]
 
@@ -87,6 +91,9 @@ class FakeEngines:
                     return [(float(int(answer) % 2 == 0), len(prompt)) for prompt, ids, answer, meta in items]
 
         self.actors = [Actor() for _ in range(num)]
+
+    def present(self):
+        return list(range(len(self.actors)))
 
     def serving(self):
         return list(range(len(self.actors)))

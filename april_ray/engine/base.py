@@ -10,6 +10,11 @@ class EngineFailure(RuntimeError):
     """An engine died; its in-flight samples are re-dispatched elsewhere."""
 
 
+class EngineLeft(EngineFailure):
+    """An engine is leaving (its node is preempted or drained): it handed back every partial sample with the
+    tokens it had, and takes no more work. A graceful leave, not a crash: nothing of it was lost."""
+
+
 class ServerError(RuntimeError):
     """An HTTP call to an inference server failed: the message names the URL, the status and what the
     server said."""

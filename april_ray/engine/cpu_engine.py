@@ -125,11 +125,17 @@ class LLMEngine:
         All or nothing: every tensor is checked (names, shapes, finite values) before any is copied, so a
         refused update raises ValueError naming the tensor and leaves the weights and version as they were.
         The whole state dict is at hand (the object store's), so nothing is staged: no memory beyond it.
+
+        A version lower than the engine's means the job went back to a checkpoint (driver/restore.py): every
+        parked cache goes, since the versions above it named weights the job no longer has, and a cache
+        labelled with an older version (its prefill's) may hold positions those weights computed.
         """
         if state_dict is not None:
             check_full_update(self.runner.model, state_dict)
             with torch.no_grad():
                 self.runner.model.load_state_dict(state_dict, strict=False)
+        if version < self.version:
+            self.parked.clear()
         self.version = version
         self.parked.expire(version)
 

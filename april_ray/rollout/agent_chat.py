@@ -74,6 +74,18 @@ def parse_request(raw: bytes) -> ChatRequest:
     return ChatRequest(messages, tools or None, tuple(stop), bool(body.get("logprobs")))
 
 
+def parse_journal(raw: bytes) -> tuple[str, tuple | None]:
+    """A journal request (`POST /v1/april/journal`): (the call's idempotency key, (its result,) to record, or
+    None to read what is recorded), or a RequestError naming the field at fault."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"the request body is not JSON ({e})", code="invalid_json") from None
+    if not isinstance(body, dict) or not isinstance(body.get("key"), str) or not body["key"]:
+        raise RequestError(400, "key: expected a call's idempotency key (a string)", param="key")
+    return body["key"], (body["value"],) if "value" in body else None
+
+
 def _checked_message(m: Any, where: str) -> dict:
     """The message, its content as one string (a list of text parts joined, as OpenAI's API allows)."""
     if not isinstance(m, dict) or m.get("role") not in ROLES:

@@ -31,8 +31,10 @@ request are ignored; `stop` is honoured); `logprobs: true` returns the behaviour
 
 Side effects of a replayed agent: each response carries `X-April-Idempotency-Key`, the key of the
 trajectory up to that turn (`episode.tool_key`): the same on every replay of the same tokens, so an agent
-can recognise a tool call it already carried out. A malformed request gets OpenAI's error shape with a 4xx
-(`agent_chat.RequestError`); the agent's client raises, and its episode fails and is dropped, not trained.
+can recognise a tool call it already carried out; it may keep the call's result in the job's tool journal under
+that key (`POST /v1/april/journal`), and a replay reads it back instead of running the tool again. A malformed
+request gets OpenAI's error shape with a 4xx (`agent_chat.RequestError`); the agent's client raises, and its
+episode fails and is dropped, not trained.
 """
 from __future__ import annotations
 
@@ -44,11 +46,14 @@ from typing import Callable
 from aiohttp import web
 
 from april_ray.rollout.agent_chat import (MAX_BODY, MODEL, ChatRequest, RequestError, completion, for_template,
-                                          parse_request, tool_call_parser)
-from april_ray.rollout.episode import Episode, Interrupted, tool_key
+                                          parse_journal, parse_request, tool_call_parser)
+from april_ray.rollout.episode import Episode, Interrupted, ToolCallsStopped, tool_key
 from april_ray.types import FinishReason
 
 IDEMPOTENCY_HEADER = "X-April-Idempotency-Key"
+JOURNAL_PATH = "/v1/april/journal"
+BACKLOG = 2048
+"""Connections the endpoint's socket queues before the event loop accepts them (Linux caps it at somaxconn)."""
 
 
 @dataclasses.dataclass
@@ -156,10 +161,13 @@ class AgentEndpoint:
                 app = web.Application(client_max_size=MAX_BODY)
                 app.router.add_post("/v1/chat/completions", self._chat)
                 app.router.add_get("/v1/models", self._models)
+                app.router.add_post(JOURNAL_PATH, self._journal)
                 # a parked request is cancelled with its agent, so closing waits for no one
                 self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
                 await self._runner.setup()
-                await web.TCPSite(self._runner, self.host, 0).start()
+                # a backlog for an evaluation's hundreds of agents connecting at once while the loop decodes
+                # (aiohttp's 128 left connects waiting past a client's connect timeout, 5 s for openai's)
+                await web.TCPSite(self._runner, self.host, 0, backlog=BACKLOG).start()
                 self.base_url = f"http://{self.host}:{self._runner.addresses[0][1]}/v1"
         return self.base_url
 
@@ -213,6 +221,35 @@ class AgentEndpoint:
             return self._error(RequestError(401, "unknown API key", code="invalid_api_key"))
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model",
                                                               "owned_by": "april-ray"}]})
+
+    async def _journal(self, request: web.Request) -> web.Response:
+        """`POST /v1/april/journal {"key"}`: the result recorded for the episode's tool call under its
+        idempotency key (`{"value"}`), or 404; with `"value"` too, records it (first one kept). Keys of the
+        episode's own sample only. The job's tool journal holds them, as it holds an episode handle's calls."""
+        session = self._session_of(request)
+        try:
+            if session is None:
+                raise RequestError(401, "unknown API key: each episode has its own", code="invalid_api_key")
+            key, value = parse_journal(await request.read())
+            if not key.startswith(session.ep.sample.sample_id + "/"):
+                raise RequestError(403, "key: not a call of this episode", param="key", code="permission_denied")
+            ctx = session.ep.context
+            if value is not None:
+                await ctx.journal.put(key, {"value": value[0]})
+                ctx.tool_stats.calls += 1
+                return web.json_response({"key": key})
+            recorded = await ctx.journal.begin(key)
+        except ToolCallsStopped as e:
+            return self._error(RequestError(409, str(e), code="job_ending"))
+        except RequestError as e:
+            return self._error(e)
+        except (TypeError, ValueError) as e:  # a value that is not JSON
+            return self._error(RequestError(400, f"value: {e}", param="value"))
+        if recorded is None:  # not an error: the agent runs its tool now
+            return web.json_response(RequestError(404, f"no result recorded for {key}", code="not_found").body(),
+                                     status=404)
+        ctx.tool_stats.replays += 1
+        return web.json_response({"key": key, "value": recorded["value"]})
 
     def _session_of(self, request: web.Request) -> AgentSession | None:
         auth = request.headers.get("Authorization", "")

@@ -44,6 +44,7 @@ import traceback
 from collections import Counter, deque
 
 from april_ray.config import EngineConfig, RolloutConfig, SamplingConfig, StalenessConfig, TaskConfig
+from april_ray.engine.base import EngineLeft
 from april_ray.engine.probe import saturated_throughput
 from april_ray.plugins import load_object
 from april_ray.rollout.agent_endpoint import AgentEndpoint, AgentStats
@@ -132,6 +133,10 @@ class EngineWorker:
         self.closed_steps: deque = deque(maxlen=64)
         self.episode_fn = None
         """`rollout.episode_fn`, loaded: each sample is an episode of turns (`use_episodes`)."""
+        self.leaving = False
+        """Set by `leave`: every call from then on is refused with `EngineLeft`."""
+        self.num_calls = 0
+        """`generate_group` calls running: what `leave` waits to see return."""
 
     def use_episodes(self, episode_fn, journal, max_model_len: int, tool_timeout_s: float, encode=None,
                      kwargs: dict | None = None, max_turns: int = 0, max_env_tokens: int = 0) -> None:
@@ -182,11 +187,16 @@ class EngineWorker:
 
         `context`: the group's finished samples, with `task.reward_per_group`. When every sample sent
         finishes, the group is complete: it is scored, and the result is the samples sent, then the context
-        samples, rewarded; otherwise the samples sent alone."""
+        samples, rewarded; otherwise the samples sent alone. A leaving engine refuses (`EngineLeft`)."""
+        self.check_staying()
         if step in self.closed_steps or not samples:
             return [sample_meta(s, 0) for s in samples], list(samples)
         run = self.run_episode if self.episode_fn is not None else self.generate_sample
-        done = await gather_or_cancel(*(run(s, step, step_tag(step)) for s in samples))
+        self.num_calls += 1
+        try:
+            done = await gather_or_cancel(*(run(s, step, step_tag(step)) for s in samples))
+        finally:
+            self.num_calls -= 1
         metas, samples = [m for m, _ in done], [s for _, s in done]
         if self.reward_per_group and all(s.state == SampleState.FINISHED for s in samples):
             unscored = [s.reward is None for s in [*samples, *context]]  # what the group function scores
@@ -278,6 +288,23 @@ class EngineWorker:
         """Abort every request on the engine, evaluations' included, closing no step (as an engine's own
         pause in abort mode would): each call returns its partial samples, and the monitor sends them again."""
         return self.engine.abort_all()
+
+    def check_staying(self) -> None:
+        if self.leaving:
+            raise EngineLeft("the engine is leaving (its node is preempted or drained) and takes no more work")
+
+    async def leave(self, poll_s: float = 0.05) -> int:
+        """Leave gracefully (a preemption notice): refuse new calls, and abort every request until no call
+        runs, so each running call returns its samples PARTIAL with every token, logprob and version
+        generated so far (the monitor resumes them on other engines, or stores them). Re-aborting catches a
+        call that submitted its requests just after an abort (it was still fetching its samples). Returns
+        the requests aborted."""
+        self.leaving = True
+        aborted = self.engine.abort_all()
+        while self.num_calls:
+            await asyncio.sleep(poll_s)
+            aborted += self.engine.abort_all()
+        return aborted
 
     def update_weights(self, state_dict, version: int) -> None:
         self.engine.update_weights(state_dict, version)

@@ -169,6 +169,12 @@ class Episode:
         """Tool calls made at each turn by this invocation: with the turn, a call's key in the journal."""
 
     @property
+    def context(self) -> EpisodeContext:
+        """What the episode runs in: its engine, tool journal and statistics (the agent endpoint journals an
+        agent's own tool calls in it)."""
+        return self._ctx
+
+    @property
     def turn(self) -> int:
         """Model turns completed."""
         return self.sample.episode["turn"]

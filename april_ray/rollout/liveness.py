@@ -1,7 +1,8 @@
 """Which engines the completion monitor gives work to.
 
-An engine is lost when a call to it fails with `EngineFailure` (its actor died), and takes no more work
-until `revive` hands it back: the driver calls it once the restarted engine holds the current weights
+An engine is lost when a call to it fails with `EngineFailure` (its actor died), or `left` when it leaves
+gracefully (`EngineLeft`: its node is preempted or drained) or is not placed yet (an elastic fleet short of
+engine.num_engines), and takes no more work until `revive` hands it back: the driver calls it once the restarted engine holds the current weights
 (driver/engines.py). A death is an event the driver waits on (`changes`), not something it polls for.
 """
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Callable
 class EngineLiveness:
     def __init__(self, num_engines: int):
         self.alive = [True] * num_engines
+        self.left = [False] * num_engines
+        """Not alive because it left gracefully or is not placed yet: a leave, not a crash."""
         self.heard_s = [0.0] * num_engines
         """When each engine last returned a call: it was alive then."""
         self._revived: asyncio.Event | None = None
@@ -38,18 +41,19 @@ class EngineLiveness:
         if self._changed is not None:
             self._changed.set()
 
-    def lose(self, engine: int) -> bool:
-        """A call to `engine` failed with its death; True the first time (once per death)."""
+    def lose(self, engine: int, left: bool = False) -> bool:
+        """A call to `engine` failed with its death (or its leave, `left`); True the first time (once per
+        death)."""
         if not self.alive[engine]:
             return False
-        self.alive[engine] = False
+        self.alive[engine], self.left[engine] = False, left
         self.changed()
         return True
 
     def revive(self, engines: list[int]) -> None:
         """Take engines back (restarted, and holding the current weights): they get work again at once."""
         for e in engines:
-            self.alive[e] = True
+            self.alive[e], self.left[e] = True, False
         if engines and self._revived is not None:
             self._revived.set()
         self.changed()

@@ -37,7 +37,7 @@ from dataclasses import replace
 from typing import Any, Awaitable, Protocol
 
 from april_ray.config import RolloutConfig, StalenessConfig
-from april_ray.engine.base import EngineFailure
+from april_ray.engine.base import EngineFailure, EngineLeft
 from april_ray.rollout.liveness import EngineLiveness
 from april_ray.rollout.over_sampling import build_over_sampling
 from april_ray.rollout.store import held
@@ -146,6 +146,12 @@ class CompletionMonitor:
     def revive(self, engines: list[int]) -> None:
         """Take engines back (restarted, and holding the current weights): they get work again at once."""
         self.engines.revive(engines)
+
+    def leave(self, engines: list[int], left: bool = True) -> None:
+        """Engines not placed yet, or leaving (their node drains): no work until `revive`; not crashes
+        (`left=False`: found dead while idle, as their node was lost)."""
+        for e in engines:
+            self.engines.lose(e, left=left)
 
     # -- one step ---------------------------------------------------------------------------------------
     async def step(self, step: int, version: int, keep_running: bool = False, after: int | None = None) -> StepResult:
@@ -288,7 +294,10 @@ class CompletionMonitor:
         except Exception as e:  # the samples keep the state and handles they were sent with
             for i in call.indices:
                 flight.states[i] = (flight.metas[i] or flight.group.metas[i]).state
-            if isinstance(e, EngineFailure):  # resend them to a live engine
+            if isinstance(e, EngineLeft):  # it handed back its samples with every token: no loss
+                s.engine_leaves += self.engines.lose(call.engine, left=True)
+                s.queue.appendleft(call.group_id)
+            elif isinstance(e, EngineFailure):  # resend them to a live engine
                 self._lost(s, call)
                 s.queue.appendleft(call.group_id)
             else:  # a bug or a bad sample: not resent; the step stores everything, then fails
@@ -388,6 +397,7 @@ class CompletionMonitor:
         self.over_sampling.observe(metrics["rollout/occupancy"], metrics["rollout/masked_token_ratio"])
         metrics |= {"rollout/groups_surplus": len(surplus) if keep else 0, "rollout/groups_partial": len(partial),
                     "rollout/groups_running": len(running), "rollout/groups_discarded": len(discarded),
+                    "engines/live": sum(self.alive),
                     "rollout/discarded_tokens": sum(m.response_len for g in discarded for m in s.flights[g].metas if m)}
         if s.sample_seconds:
             self.token_rate = s.generated_tokens / s.sample_seconds

@@ -45,6 +45,7 @@ def step_metrics(s: StepState, metas, staleness: dict[int, int], wall: float, st
         "rollout/episode_errors": len(s.episode_errors),
         "rollout/groups_episode_error": sum(r == "episode_error" for r in s.dropped.values()),
         "rollout/engine_crashes": s.engine_crashes,
+        "rollout/engine_leaves": s.engine_leaves,
         "rollout/crash_tokens_lost": round(s.crash_tokens_lost),
         "rollout/reward_mean": sum(m.reward for ms in metas for m in ms) / num_samples,
         "rollout/response_len_mean": trained / num_samples,

@@ -164,6 +164,8 @@ class StepState:
     abort_latency_s: float = 0.0
     abort_resends: int = 0
     engine_crashes: int = 0
+    engine_leaves: int = 0
+    """Engines that left gracefully (`EngineLeft`) this step: their samples came back with every token."""
     crash_tokens_lost: float = 0.0
     sample_seconds: float = 0.0
     """Seconds on an engine summed over the samples of every returned call (counted from the step's start

@@ -6,40 +6,76 @@ The same loop as `lookup_countdown.episode`, through `openai.AsyncOpenAI` agains
 engine (april_ray/rollout/agent_endpoint.py) instead of the episode handle: the model's turn ends at `?`
 (a `stop` string), which the endpoint returns as a call of the one tool; call i looks up the prompt's i-th
 key, and its answer goes back as a `role: tool` message; a turn without a call, or a call past the last
-key, ends the episode, and the task's reward scores the whole response (the agent returns None). The tool
-gets the endpoint's idempotency key of the turn (`X-April-Idempotency-Key`), the same on every replay.
+key, ends the episode, and the task's reward scores the whole response (the agent returns None).
+
+Each tool call is done once per trajectory: its result is kept in the job's tool journal under the turn's
+idempotency key (`X-April-Idempotency-Key`, the same on every replay of the same tokens), through the
+endpoint's `POST /v1/april/journal`, and a replayed agent (its sample resumed on another engine, or after
+a driver restart) reads it back instead of calling the tool again.
+
+One client per event loop and endpoint, as OpenAI advises, each episode with its own key
+(`with_options`): a client per episode built an HTTP client each time, whose loading of the CA bundle
+(~0.1 s of CPU, on the engine's event loop where agents run) stalled decoding, the agent path's largest cost.
+Its connect timeout is a minute, not openai's 5 s: the endpoint answers from the engine's busy loop.
 """
 from __future__ import annotations
+
+import asyncio
+import weakref
+
+import openai  # the `test` extra; only a job whose rollout.agent_fn is this loads it
 
 from april_ray.task.lookup_countdown import answer, lookup
 
 MODEL = "policy"
 IDEMPOTENCY_HEADER = "X-April-Idempotency-Key"
-"""The endpoint's model name and idempotency header, as any agent would write them (a task never imports the
-rollout package; tests/test_agent_endpoint.py holds them equal)."""
+JOURNAL = "/april/journal"
+"""The endpoint's model name, idempotency header and journal route, as any agent would write them (a task
+never imports the rollout package; tests/test_agent_endpoint.py holds them equal)."""
 
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "The value of the prompt's next key, with the step to count down by.",
     "parameters": {"type": "object", "properties": {}}}}]
 
+_CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Event loop -> base URL -> its client (a client's connections belong to one loop)."""
+
+
+def client_for(base_url: str) -> openai.AsyncOpenAI:
+    """The client of this event loop for the endpoint at `base_url`, made on first use and kept."""
+    clients = _CLIENTS.setdefault(asyncio.get_running_loop(), {})
+    if base_url not in clients:
+        clients[base_url] = openai.AsyncOpenAI(base_url=base_url, api_key="each episode gives its own",
+                                               timeout=openai.Timeout(600.0, connect=60.0))
+    return clients[base_url]
+
+
+async def once(client: openai.AsyncOpenAI, key: str, tool, *args):
+    """`tool(*args, idempotency_key=key)`, unless the journal holds its result under `key` already."""
+    try:
+        return (await client.post(JOURNAL, body={"key": key}, cast_to=dict))["value"]
+    except openai.NotFoundError:
+        pass
+    value = tool(*args, idempotency_key=key)
+    await client.post(JOURNAL, body={"key": key, "value": value}, cast_to=dict)
+    return value
+
 
 async def agent(base_url: str, api_key: str, row: dict, max_retries: int = 0) -> None:
     """Turns until one makes no tool call (or calls past the last key); returns None (the task's reward)."""
-    from openai import AsyncOpenAI  # the `test` extra: a job without agents never imports it
-
     keys, step = row["prompt"].rstrip(":").rsplit("-", 1)
     keys = keys.split(",")
     messages: list[dict] = [{"role": "user", "content": row["prompt"]}]
-    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=max_retries) as client:
-        for turn in range(1, len(keys) + 2):
-            raw = await client.chat.completions.with_raw_response.create(model=MODEL, messages=messages,
-                                                                         tools=TOOLS, stop=["?"])
-            message = raw.parse().choices[0].message
-            if not message.tool_calls or turn > len(keys):
-                return None
-            key = keys[turn - 1]
-            value = lookup(row["sample_id"], turn, key, idempotency_key=raw.headers.get(IDEMPOTENCY_HEADER, ""))
-            messages += [message.model_dump(exclude_none=True),
-                         {"role": "tool", "tool_call_id": message.tool_calls[0].id,
-                          "content": answer(key, value, int(step))}]
+    client = client_for(base_url).with_options(api_key=api_key, max_retries=max_retries)
+    for turn in range(1, len(keys) + 2):
+        raw = await client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, tools=TOOLS,
+                                                                     stop=["?"])
+        message = raw.parse().choices[0].message
+        if not message.tool_calls or turn > len(keys):
+            return None
+        key = keys[turn - 1]
+        value = await once(client, raw.headers.get(IDEMPOTENCY_HEADER, ""), lookup, row["sample_id"], turn, key)
+        messages += [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": message.tool_calls[0].id,
+                      "content": answer(key, value, int(step))}]
     return None
