@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from april_ray.config import load_config
+from jobs.bench.grid import grid_configs, grid_report, grid_table, mismatch_record, parse_grid
 from jobs.bench.train import (accuracy_at, configured_factor, late_accuracy, mode_configs, parse_modes, report,
                               reused_runs, table, time_to)
 from tests.conftest import USER_ENV
@@ -120,6 +121,8 @@ def test_bench_train_json_keys_on_a_tiny_run(bench_train_run):
         assert 0 < m["rollout_share"]["median"] < 1, mode
         assert list(m["accuracy_by_step"]) == ["0", "1", "2"]
     assert r["april_2"] == r["april"]  # N'/N = 2 is the configured 8 / 4: the same runs, not run twice
+    mismatch = r["april"]["runs"][0]["mismatch"]  # the learner's mismatch/ keys reach the record
+    assert mismatch["num_tokens"] >= mismatch["num_trained_tokens"] > 0 and mismatch["k3"] >= 0
     assert r["sync"]["off_policy_token_ratio"]["max"] == 0.0
 
 
@@ -151,3 +154,52 @@ def test_report_with_an_overlap_mode_gives_its_ratios_and_idle_shares():
     assert r["sync"]["learner_idle_fraction"]["median"] == pytest.approx(0.65)
     assert r["sync"]["learner_idle_fractions"] == [0.6, 0.7]
     assert "| overlap | 30 [20, 40] |" in table(r) and "| 0.07 | 0.30 |" in table(r)
+
+
+def test_grid_crosses_steps_ahead_with_corrections_and_raises_the_bound_only_where_needed():
+    cfg = load_config(None, ["staleness.max_versions=2", "train.overlap=true"])
+    overlap = mode_configs(cfg, [], ["overlap"])["overlap"]
+    cells = grid_configs(overlap, *parse_grid("1,4", "tis,icepop", cfg))
+    assert list(cells) == ["overlap_1_tis", "overlap_1_icepop", "overlap_4_tis", "overlap_4_icepop"]
+    assert cells["overlap_4_icepop"].train.overlap_ahead == 4 and cells["overlap_4_icepop"].algorithm.correction == "icepop"
+    assert cells["overlap_1_tis"].staleness.max_versions == 2 and cells["overlap_4_tis"].staleness.max_versions == 4
+    assert list(grid_configs(overlap, *parse_grid("", "none", cfg))) == ["overlap_1_none"]  # the config's steps ahead
+    with pytest.raises(SystemExit, match="cell overlap_1_ice.*algorithm.correction"):
+        grid_configs(overlap, [1], ["ice"])
+    with pytest.raises(SystemExit, match="--overlap-ahead: '0,2'"):
+        parse_grid("0,2", "", cfg)
+
+
+def test_grid_report_pairs_late_accuracy_with_sync_by_seed_and_weighs_mismatch_by_tokens():
+    steps = [{"mismatch/num_tokens": 100, "mismatch/num_trained_tokens": 80, "mismatch/log_ratio_mean": -0.1,
+              "mismatch/k2": 0.02, "mismatch/k3": 0.01, "mismatch/icepop_share": 0.5,
+              "mismatch/age0/num_tokens": 100, "mismatch/age0/num_trained_tokens": 80,
+              "mismatch/age0/log_ratio_mean": -0.1},
+             {"mismatch/num_tokens": 300, "mismatch/num_trained_tokens": 20, "mismatch/log_ratio_mean": 0.1,
+              "mismatch/k2": 0.02, "mismatch/k3": 0.03, "mismatch/icepop_share": 0.0,
+              "mismatch/age2/num_tokens": 300, "mismatch/age2/num_trained_tokens": 20}]
+    m = mismatch_record(steps)
+    assert m["mismatch"]["log_ratio_mean"] == pytest.approx((-10 + 30) / 400) and m["mismatch"]["k3"] == pytest.approx(0.025)
+    assert m["mismatch"]["icepop_share"] == pytest.approx(40 / 100) and m["mismatch"]["log_ratio_rms"] == pytest.approx(0.2)
+    assert list(m["mismatch_by_age"]) == ["0", "2"] and m["mismatch_by_age"]["2"]["token_share"] == 0.75
+
+    def rec(history, step_s, masked=0.0):
+        r = record(history) | m | {"masked_token_ratio": masked}
+        return r | {"train_s": step_s * r["steps"], "history": history[:-1] + [(step_s * r["steps"], history[-1][1])]}
+
+    cfg = load_config(None, ["train.overlap=true"])
+    cells = grid_configs(mode_configs(cfg, [], ["overlap"])["overlap"], [2], ["tis", "icepop"])
+    runs = {"sync": [rec([(0, 0.3), (1, 0.3), (2, 0.40)], 2.0), rec([(0, 0.3), (1, 0.3), (2, 0.30)], 2.0)],
+            "overlap_2_tis": [rec([(0, 0.3), (1, 0.3), (2, 0.37)], 1.0, 0.2), rec([(0, 0.3), (1, 0.3), (2, 0.29)], 1.0)],
+            "overlap_2_icepop": [rec([(0, 0.3), (1, 0.3), (2, 0.41)], 1.6), rec([(0, 0.3), (1, 0.3), (2, 0.30)], 1.6)]}
+    result = report([0, 1], 0.35, 512, runs, [10])
+    grid = grid_report(result, late_accuracy, cells, cfg)
+    tis, icepop = grid["cells"]["overlap_2_tis"], grid["cells"]["overlap_2_icepop"]
+    assert tis["late_minus_sync_points_per_seed"] == pytest.approx([-3.0, -1.0]) and tis["late_minus_sync_points"] == pytest.approx(-2.0)
+    assert tis["steps_per_s_over_sync"] == pytest.approx(2.0) and icepop["steps_per_s_over_sync"] == pytest.approx(1.25)
+    assert tis["late_accuracy_mean"] == pytest.approx(0.33) and tis["late_accuracy_range"] == [0.29, 0.37]
+    assert tis["masked_token_ratio"] == pytest.approx(0.1) and tis["correction_share"] == 0
+    assert icepop["correction_share"] == pytest.approx(0.4) and icepop["ahead"] == 2
+    assert grid["best_by_ahead"] == {"2": {"cell": "overlap_2_icepop", "correction": "icepop",
+                                           "late_minus_sync_points": pytest.approx(0.5)}}
+    assert "| overlap_2_tis | 2 | tis | 0.330 ± 0.057 [0.290, 0.370] | -2.0 | 2.00 |" in grid_table(grid)

@@ -3,7 +3,7 @@ over several seeds.
 
     python -m jobs.bench.train --config configs/tiny_cpu.yaml --seeds K --json PATH [--modes sync,april,overlap]
         [--factors 1,1.5,2,3,auto] [--target ACC | --gain G] [--budgets S1,S2,...] [--first-seed S]
-        [--reuse EARLIER_JSON] [key=value ...]
+        [--reuse EARLIER_JSON] [--overlap-ahead K1,K2,... --corrections C1,C2,...] [key=value ...]
 
 `--modes` (default sync,april): `sync` (N' = N, no partial rollouts), `april` (APRIL as configured) and
 `overlap` (APRIL as configured with train.overlap=true: the learner trains while the engines go on
@@ -30,6 +30,12 @@ evaluation's sampling noise at that accuracy, sqrt(p (1 - p) / task.num_eval).
 running them again, by mode and seed: adding the factors to an earlier sync-vs-APRIL result runs only the
 new modes. The reused JSON's `config` must match this one's, or the bench stops and names the first key
 that differs.
+
+`--overlap-ahead` and `--corrections` turn the overlapped mode into a grid (`jobs/bench/grid.py`): one mode
+`overlap_<k>_<correction>` per steps ahead and correction, run for every seed beside sync's one run; the
+result's `grid` holds each cell's late accuracy (mean, sd, range), its paired difference to sync's in
+points, steps/s over sync's, masked shares and train-inference mismatch by token age. The result so far is
+written after each run, so a bench stopped early keeps its finished runs (`--reuse` goes on from them).
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ from april_ray.placement import plan
 from driver.cluster import init_ray
 from driver.train import train
 from jobs.bench.cpu import JobCpu, per_step, training_windows
+from jobs.bench.grid import grid_configs, grid_report, grid_table, mismatch_record, parse_grid
 from jobs.common import parse, write_result
 
 
@@ -168,7 +175,8 @@ def run_record(summary: dict, eval_every: int, cpu: JobCpu | None = None, t0: fl
             "rollout_share": rollout_share(summary["time_s"]),
             "engine_idle_fraction": summary["engine_idle_fraction"],
             "learner_idle_fraction": summary["learner_idle_fraction"]} | (
-        {} if cpu is None else {"cpu_s_per_step": per_step(cpu.within(training_windows(steps, t0)), len(steps))})
+        {} if cpu is None else {"cpu_s_per_step": per_step(cpu.within(training_windows(steps, t0)), len(steps))}) | (
+        mismatch_record(steps))
 
 
 def late_accuracy(rec: dict) -> float:
@@ -291,11 +299,17 @@ def main() -> None:
         p.add_argument("--gain", type=float, default=0.05, help="target = mean accuracy before + gain")
         p.add_argument("--budgets", default="", help="wall-clock budgets (s); default: quarters of sync's wall")
         p.add_argument("--reuse", default=None, help="an earlier result's JSON: its runs (by mode and seed) are not re-run")
+        p.add_argument("--overlap-ahead", default="", help="the overlapped mode at these train.overlap_ahead, e.g. 1,2,4")
+        p.add_argument("--corrections", default="", help="... crossed with these algorithm.correction, e.g. tis,icepop")
 
     cfg, args = parse(__doc__, extra)
-    init_ray(plan(cfg))
     factors = [f if f == "auto" else float(f) for f in args.factors.split(",") if f]
     modes = mode_configs(cfg, factors, parse_modes(args.modes))
+    cells = {}
+    if "overlap" in modes and (args.overlap_ahead or args.corrections):  # the overlapped mode becomes the grid
+        cells = grid_configs(modes["overlap"], *parse_grid(args.overlap_ahead, args.corrections, cfg))
+        modes = {k: v for m, c in modes.items() for k, v in (cells.items() if m == "overlap" else [(m, c)])}
+    init_ray(plan(cfg))
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     reused = reused_runs(args.reuse, bench_config(cfg)) if args.reuse else {}
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
@@ -311,6 +325,22 @@ def main() -> None:
             runs[mode].append(run_record(summary, cfg.train.eval_every, cpu, t0))
             print(f"seed {seed} {mode}: train {summary['train_s']:.0f} s, accuracy "
                   f"{summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}", flush=True)
+            # the runs so far, kept should the bench stop: a mode's runs are its first seeds' (round-robin)
+            partial = result_of(args, cfg, seeds[:seeds.index(seed) + 1], {m: r for m, r in runs.items() if r},
+                                factors, cells, modes.get("sync"))
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(partial, indent=2, default=float))
+    result = result_of(args, cfg, seeds, runs, factors, cells, modes.get("sync"))
+    write_result(args.json, result)
+    print(table(result))
+    print(cpu_table(result))
+    if cells:
+        print(grid_table(result["grid"]))
+
+
+def result_of(args, cfg, seeds: list[int], runs: dict[str, list[dict]], factors, cells: dict, sync_cfg) -> dict:
+    """The report over `seeds` (and the grid's, with `cells`), with the config the runs were made with."""
+    runs = dict(runs)
     if configured_factor(cfg, factors) and "april" in runs:
         runs[configured_factor(cfg, factors)] = runs["april"]
     before = [r["accuracy_before"] for recs in runs.values() for r in recs]
@@ -318,9 +348,9 @@ def main() -> None:
     sync_wall = statistics.median(r["train_s"] for r in runs.get("sync") or next(iter(runs.values())))
     budgets = [float(b) for b in args.budgets.split(",") if b] or [round(sync_wall * q) for q in (0.25, 0.5, 0.75, 1)]
     result = report(seeds, target, cfg.task.num_eval, runs, budgets) | {"config": bench_config(cfg)}
-    write_result(args.json, result)
-    print(table(result))
-    print(cpu_table(result))
+    if cells:
+        result["grid"] = grid_report(result, late_accuracy, cells, sync_cfg)
+    return result
 
 
 if __name__ == "__main__":
