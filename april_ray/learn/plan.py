@@ -128,8 +128,10 @@ def learner_parts(shape: Shape, s: LearnerSetting) -> dict[str, float]:
     # the head's positions split evenly into as few chunks as the chunk size allows (logprobs.num_chunks)
     rows = -(-s.tokens // -(-s.tokens // s.chunk_tokens)) if s.chunk_tokens > 0 else s.tokens
     copies = LOGIT_COPIES + (1 if s.temperature not in (0, 1) else 0)
-    # bf16: the head's own output, and the logits' gradient cast back, beside the fp32 copies
-    parts["logits"] = rows * shape.vocab_size * (4 * copies + (2 * s.dtype_bytes if s.dtype_bytes != 4 else 0))
+    # bf16 adds nothing at the peak: the head's bf16 output is freed once `.float()` has copied it (neither the
+    # cast nor the matmul keeps it for backward), and the bf16 gradient is made only after the log-softmax's
+    # backward has freed its saved output and incoming gradient (H200: plan 3.41 GB against 2.71 GB measured)
+    parts["logits"] = rows * shape.vocab_size * 4 * copies
     return parts
 
 
