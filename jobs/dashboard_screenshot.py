@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,17 +87,32 @@ def local_head(log_path: Path, num_cpus: int = 8, up_s: float = 240, export_inte
 
 
 def submit(client, entrypoint: str, wait_s: float = 180) -> str:
-    """Submit `entrypoint` with the repository as working_dir. The head's dashboard answers before its
-    node's agent has registered; until then Ray refuses the job ("No available agent ... try again later")."""
+    """Submit `entrypoint` with the repository as working_dir, retrying for up to `wait_s` while the head
+    cannot take it yet: its dashboard answers before its node's agent has registered (Ray refuses the job,
+    "No available agent ... try again later"), and a loaded head drops connections mid-request
+    (`requests.ConnectionError`). Every try carries the same submission_id, so a retry of a POST that the
+    head accepted before the connection dropped is refused as "already exists" and counts as submitted,
+    never as a second job."""
+    import requests
+
+    submission_id = f"april_{uuid.uuid4().hex[:16]}"
     deadline = time.time() + wait_s
     while True:
         try:
-            return client.submit_job(entrypoint=entrypoint,
+            return client.submit_job(entrypoint=entrypoint, submission_id=submission_id,
                                      runtime_env={"working_dir": str(ROOT), "excludes": EXCLUDES})
         except RuntimeError as e:
-            if "No available agent" not in str(e) or time.time() > deadline:
+            if f"{submission_id} already exists" in str(e):
+                return submission_id
+            if "No available agent" not in str(e):
                 raise
-            time.sleep(2)
+            error = e
+        except requests.ConnectionError as e:
+            error = e
+        if time.time() > deadline:
+            raise RuntimeError(f"the head did not take job {submission_id} within {wait_s:.0f}s; "
+                               f"last error: {type(error).__name__}: {error}") from error
+        time.sleep(2)
 
 
 def screenshot(url: str, out: Path, size: tuple[int, int], wait_ms: int = 8000) -> None:

@@ -150,8 +150,13 @@ class SharedSources:
     cursor is all of its state: april_ray/rollout/prompt_source.py), and started anew after a test killed it.
     A source reads its dataset and loads the tokenizer once, in a process of its own: most of a rollout's start."""
 
-    def __init__(self):
-        self.started = {}
+    def __init__(self, options: dict | None = None, started: dict | None = None):
+        self.started = {} if started is None else started
+        self.actor_options = options or {}
+
+    def options(self, **options) -> "SharedSources":
+        """`PromptSourceActor.options`: the same shared sources, a source started here placed by `options`."""
+        return SharedSources(options, self.started)
 
     def remote(self, data_path, *args):
         key = (hashlib.sha256(Path(data_path).read_bytes()).hexdigest(), repr(args))
@@ -162,7 +167,7 @@ class SharedSources:
                 return source
             except ray.exceptions.RayActorError:
                 pass
-        source = PromptSourceActor.remote(data_path, *args)
+        source = PromptSourceActor.options(**self.actor_options).remote(data_path, *args)
         self.started[key] = (source, ray.get(source.state_dict.remote()))
         return source
 
@@ -218,15 +223,20 @@ def test_sync_baseline_on_ray_stores_nothing(local_ray, tmp_path, model_dir, eng
     assert all(r.metrics["rollout/off_policy_token_ratio"] == 0 for r, _ in results)
 
 
-def test_checkpoint_store_and_cursor_mid_run_restores_without_loss(local_ray, tmp_path, model_dir, engines_of):
+def test_checkpoint_store_and_cursor_mid_run_restores_without_loss(local_ray, tmp_path, model_dir, engines_of,
+                                                                   rollout_of):
     cfg = small_cfg(tmp_path)
     engines = engines_of(cfg, model_dir)
-    actors, first = run_steps(cfg, model_dir, engines, 2)
+    actors, first = run_steps(cfg, model_dir, engines, 2, actors=rollout_of(cfg, model_dir, engines))
     saved = (ray.get(actors.source.state_dict.remote()), ray.get(actors.store.state_dict.remote()),
              ray.get(actors.monitor.state_dict.remote()))
     waiting = {g["group_id"] for g in saved[1]["partial"]}
-    actors.shutdown()  # the rollout side "crashes"; a new one restores from the checkpoint
-    fresh = start_rollout(cfg, model_dir, engines)
+    # the rollout side "crashes": its monitor and store go, and a new one restores from the checkpoint; the
+    # (shared) source is handed out again set back to its first prompt (`SharedSources`), so only the saved
+    # cursor keeps its prompts from coming back
+    ray.kill(actors.monitor)
+    ray.kill(actors.store)
+    fresh = rollout_of(cfg, model_dir, engines)
     ray.get([fresh.source.load_state_dict.remote(saved[0]), fresh.store.load_state_dict.remote(saved[1]),
              fresh.monitor.load_state_dict.remote(saved[2])])
     _, later = run_steps(cfg, model_dir, engines, 3, first_step=2, actors=fresh)
