@@ -1,7 +1,8 @@
 """The training job on a device: our engine placed with a GPU runs on it (and on CPU where torch has none),
 fractional GPUs put a disaggregated engine and learner on one device, and `python -m jobs.gpu_check --smoke
---parts job` runs the part a lent GPU runs (docs/gpu.md), colocated (a first leg and a resumed one) and
-overlapped, on CPU."""
+--parts job_shape,job` runs the parts a lent GPU runs (docs/gpu.md) on CPU: the job at the 0.6B role's shape
+beside the same step in process (both learner backends), then the job colocated (a first leg and a resumed
+one) and overlapped."""
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ from april_ray.engine.sglang_server import CPUServerLauncher
 from april_ray.placement import actor_resources, never_fits, plan
 from jobs.gpu_check.device_memory import summary, swing
 from jobs.gpu_check.job import more_steps
+from jobs.gpu_check.job_shape import step_split
 from tests.conftest import USER_ENV
 from tests.prefetch import shared_job
 
@@ -121,7 +123,7 @@ FRACTIONS = textwrap.dedent("""
         from april_ray.engine import engine_device
         return os.environ.get("CUDA_VISIBLE_DEVICES"), engine_device()
 
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False)  # never another test's Ray
     layout = plan(load_config(None, ["placement.engine_gpus=0.5", "learner.gpus=0.5", "engine.num_engines=1"]))
     pg = place(layout, 120)
     print(ray.get([where.options(**actor_resources(layout, b), scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -153,13 +155,14 @@ def test_the_in_actor_engine_generates_on_the_gpu_it_is_placed_with(monkeypatch,
     assert len(out.token_ids) == 5
 
 
-@shared_job(runs=3)
+@shared_job(runs=4)
 def gpu_job_smoke(tmp_path_factory, model_dir):
     tmp = tmp_path_factory.mktemp("gpu_job")
     out = tmp / "check.json"
     # a budget no run reaches on a loaded CPU: the colocated run takes its resumed step; the smoke's model (no
     # warm-up) is built in this test's own cache
-    proc = subprocess.run([sys.executable, "-m", "jobs.gpu_check", "--smoke", "--parts", "job", "--budget-s", "3000",
+    proc = subprocess.run([sys.executable, "-m", "jobs.gpu_check", "--smoke", "--parts", "job_shape,job", "--budget-s",
+                           "6000",
                            "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=3600,
                           env={**USER_ENV, "RAY_ADDRESS": "", "APRIL_RAY_CACHE": str(tmp / "cache")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -169,7 +172,7 @@ def gpu_job_smoke(tmp_path_factory, model_dir):
 @pytest.mark.slow
 def test_the_job_part_trains_colocated_then_resumed_and_overlapped_without_losing_a_sample(gpu_job_smoke):
     result, stdout = gpu_job_smoke
-    assert list(result) == ["device", "job"] and "error" not in result["job"], result["job"]
+    assert list(result) == ["device", "job_shape", "job"] and "error" not in result["job"], result["job"]
     colocated, overlapped = result["job"]["colocated"], result["job"]["overlapped"]
     for run, steps in ((colocated, 2), (overlapped, 2)):
         assert run["exit"] == 0 and "error" not in run, run.get("error")
@@ -183,3 +186,38 @@ def test_the_job_part_trains_colocated_then_resumed_and_overlapped_without_losin
     assert "train.overlap=true" in overlapped["overrides"]
     assert colocated["device_memory"]["source"] is None and colocated["device_memory"]["why"]  # no GPU here
     assert "job colocated: exit 0, 2 steps" in stdout and "job overlapped: exit 0, 2 steps" in stdout
+
+
+def test_the_step_split_takes_the_rest_as_the_wall_less_its_phases_and_leaves_evaluation_out():
+    rows = [{"time/wall_s": 10.0, "time/rollout_s": 6.0, "time/learner_s": 2.0, "time/weight_sync_s": 1.0},
+            {"time/wall_s": 14.0, "time/rollout_s": 2.0, "time/learner_s": 1.0, "time/weight_sync_s": 0.5},
+            {"time/wall_s": 20.0, "time/rollout_s": 2.0, "time/learner_s": 1.0, "time/weight_sync_s": 0.5,
+             "time/eval_s": 1.5}]
+    split = step_split(rows)
+    assert split["first"] == {"rollout": 6.0, "learner": 2.0, "weight_sync": 1.0, "rest": 1.0, "step": 10.0}
+    assert [s["rest"] for s in split["per_step"]] == [1.0, 0.5, 1.0]
+    assert split["median"] == {"rollout": 2.0, "learner": 1.0, "weight_sync": 0.5, "rest": 0.75, "step": 4.25}
+
+
+@pytest.mark.slow
+def test_the_job_at_the_shape_splits_its_steps_beside_the_same_step_in_process(gpu_job_smoke):
+    """A random model over more ids than the tokenizer has: the reward never fires, and the job and both
+    learner backends still take every step."""
+    res = gpu_job_smoke[0]["job_shape"]
+    job, proc = res["job"], res["in_process"]
+    assert job["exit"] == 0 and "error" not in job, job.get("error")
+    assert job["steps"] == 2 and job["records"]["lost_samples"] == 0 and job["records"]["duplicated_samples"] == 0
+    assert "rollout.schedule=sync" in job["overrides"] and any(o.startswith("model.path=") for o in job["overrides"])
+    assert len(job["split"]["per_step"]) == 2 and job["split"]["median"]["step"] > 0
+    rows = res["setting"]["rows"]
+    assert proc["rollout"]["step_s"] > 0 and proc["rollout"]["reward_mean"] == 0
+    assert proc["rollout"]["prompt_tokens"] + proc["rollout"]["response_tokens"] > rows
+    for backend, stage in (("torch", 0), ("deepspeed", 1)):
+        step = proc["learner"][backend]
+        assert step["backend"] == backend and step["zero_stage"] == stage and step["step_s"] > 0, step
+        assert step["tokens"] == proc["rollout"]["prompt_tokens"] + proc["rollout"]["response_tokens"]
+        assert step["grad_norm"] == 0  # equal rewards: zero advantages, a full step all the same
+    assert res["simulated"]["rollout"] > 0 and res["simulated"]["learner"] > 0
+    cost = res["ray_cost"]
+    assert cost["seconds_per_step"] == pytest.approx(job["split"]["median"]["step"] - cost["in_process_step_s"])
+    assert "job_shape (Qwen3-0.6B" in gpu_job_smoke[1] and "Ray and the actors:" in gpu_job_smoke[1]

@@ -13,8 +13,10 @@ next; a child still running 30 s past its share is stopped, and the part records
   against the memory plan (jobs/gpu_check/learner.py);
 - handoff: CUDA-IPC weight updates from this process tree's learner into an engine server process on the
   same device (jobs/gpu_check/handoff.py).
-A fifth, `job`, runs only when asked for (`--parts job`): the training job itself under Ray, colocated and
-overlapped on the device (jobs/gpu_check/job.py), with Ray and DeepSpeed from the carried bundle (docs/gpu.md).
+Two more run only when asked for, with Ray and DeepSpeed from the carried bundle (docs/gpu.md):
+- job_shape: the training job at Qwen3-0.6B's shape, its step split beside the same rollout and learner step in
+  process (the torch backend's and DeepSpeed ZeRO-1's) and the simulator's (jobs/gpu_check/job_shape.py);
+- job: the training job itself under Ray, colocated and overlapped on the device (jobs/gpu_check/job.py).
 The JSON has one key per part and `device`; a short table is printed. `--smoke` runs every part on CPU with
 tiny shapes (tests/test_gpu_check.py). docs/gpu.md says what to carry to a lent machine and the command.
 """
@@ -36,8 +38,9 @@ from jobs.gpu_check.common import GPU_SCALE, SMOKE_SCALE, Deadline, accelerator_
 
 PARTS = {"engine": 0.3, "schedules": 0.3, "learner": 0.25, "handoff": 0.15}
 """The default parts, each with its share of the budget."""
-SHARES = PARTS | {"job": 1.0}
-"""Every part's share; `job` (asked for by name) weighs as much as the other four together."""
+SHARES = PARTS | {"job_shape": 0.9, "job": 1.0}
+"""Every part's share; `job` (asked for by name) weighs as much as the other four together, `job_shape` (asked
+for by name, run before `job`) nearly as much (docs/gpu.md: the budget of a call that runs both)."""
 GRACE_S = 30.0
 
 
@@ -89,7 +92,7 @@ def one_part(args) -> None:
     """In the child: the part on this device, its JSON to `--out` (an error too, with its traceback printed)."""
     import torch
 
-    from jobs.gpu_check import engine, handoff, job, learner, schedules
+    from jobs.gpu_check import engine, handoff, job, job_shape, learner, schedules
 
     scale = SMOKE_SCALE if args.smoke else GPU_SCALE
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -105,6 +108,7 @@ def one_part(args) -> None:
             "schedules": lambda: schedules.run(scale, device, dtype, deadline),
             "learner": lambda: learner.run(scale, device, work, deadline, progress),
             "handoff": lambda: handoff.run(scale, device, dtype, work, deadline),
+            "job_shape": lambda: job_shape.run(args.smoke, work, deadline, progress),
             "job": lambda: job.run(args.smoke, work, deadline, progress)}
     try:
         result = runs[args.part]()
@@ -119,9 +123,10 @@ def table(result: dict) -> str:
     lines = [f"device: {d['name']} (roofline: {d['roofline_card']}), torch {d['torch']}, {d['wall_s']:.0f} s "
              f"of a {d['budget_s']:.0f} s budget"]
     from jobs.gpu_check.job import lines as job_lines
+    from jobs.gpu_check.job_shape import lines as job_shape_lines
 
     for part, rows in (("engine", engine_lines), ("schedules", schedule_lines), ("learner", learner_lines),
-                       ("handoff", handoff_lines), ("job", job_lines)):
+                       ("handoff", handoff_lines), ("job_shape", job_shape_lines), ("job", job_lines)):
         if part in result:
             lines += [f"{part}: {result[part]['error']}"] if "error" in result[part] else rows(result[part])
     return "\n".join(lines)
