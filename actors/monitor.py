@@ -70,7 +70,7 @@ class CompletionMonitorActor:
     def __init__(self, cfg: RolloutConfig, staleness: StalenessConfig, engines, capacities: list[int], source, store,
                  reward_per_group: bool = False):
         """`reward_per_group`: task.reward_per_group (each engine call takes its group's finished samples)."""
-        pool = RayEnginePool(engines, capacities, reward_per_group)
+        self.pool = pool = RayEnginePool(engines, capacities, reward_per_group)
         self.monitor = CompletionMonitor(cfg, pool, RayProxy(source), RayStore(store), staleness)
         self.metrics = MonitorMetrics(cfg, len(engines))
 
@@ -86,6 +86,13 @@ class CompletionMonitorActor:
     async def revive(self, engines: list[int]) -> None:
         """Engines restarted and brought to the current weights by the driver (driver/engines.py)."""
         self.monitor.revive(engines)
+
+    async def renewed(self, engines: dict[int, object]) -> None:
+        """Engines started again under new handles (an elastic fleet's lost node: driver/engines.py's `renew`);
+        out of work, as they were, until `revive`."""
+        assert not any(self.monitor.engines.alive[e] for e in engines), engines
+        for e, actor in engines.items():
+            self.pool.engines[e] = actor
 
     async def leave(self, engines: list[int], left: bool = True) -> None:
         """Engines not placed yet, leaving gracefully, or (`left=False`) found dead while idle

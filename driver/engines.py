@@ -11,9 +11,9 @@ The restarted process holds its initial weights and refuses work (actors/engine_
 back to the monitor (driver/rollout.py). Every other call here skips or retries an engine that is down instead of failing.
 
 An elastic fleet (engine.min_engines) places each engine in a placement group of its own: when its node
-leaves, Ray places the group again on any node with room, now or when a node joins, and restarts the engine
-there, which the rollout then catches up as after a crash. Engines on a node Ray reports draining are told
-to leave gracefully (`drain`).
+leaves, Ray places the group again on a node with room and restarts the engine there; with no room now, the
+engine is started again in a new group (`renew`), placed when a node joins. The rollout catches either up as
+after a crash. Engines on a node Ray reports draining are told to leave gracefully (`drain`).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import ray
 from ray.exceptions import OutOfMemoryError, RayActorError
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from actors.engine_worker import EngineWorkerActor
@@ -92,6 +93,8 @@ class EngineGroup:
     """An elastic fleet: engines not placed, or not caught up, when last looked at."""
     nodes: dict = field(default_factory=dict)
     """Engine -> the node it last answered from (`on_draining_nodes` looks for draining ones)."""
+    new_engine: object = None
+    """`new_engine(e, scheduling_strategy)` starts engine `e`'s actor (an elastic fleet's `renew`)."""
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, layout: Layout, version: int = 0, timeout_s: float = 300,
@@ -107,19 +110,20 @@ class EngineGroup:
             pg = place(layout, timeout_s)
             where = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b) for b in layout.engine_bundles]
         journal = start_journal(cfg)
-        actors = [
-            EngineWorkerActor.options(
-                **actor_resources(layout, b), scheduling_strategy=where[index],
+
+        def new_engine(index: int, where):
+            return EngineWorkerActor.options(
+                **actor_resources(layout, layout.engine_bundles[index]), scheduling_strategy=where,
                 max_restarts=-1,  # a dead engine comes back in its bundle, under the same handle
             ).remote(cfg.engine, cfg.sampling, cfg.staleness, cfg.task, str(model_path), version, index,
                      episodes=cfg.rollout, journal=journal, weights_root=disk_weights_dir(cfg))
-            for index, b in enumerate(layout.engine_bundles)
-        ]
+
+        actors = [new_engine(index, w) for index, w in enumerate(where)]
         group = cls(actors, [cfg.engine.max_num_seqs] * n, pg, layout.learner_part() if layout.elastic else layout,
                     (None, version), journal=journal, servers_take_weights=cfg.engine.weight_sync != "object_store",
                     releases_memory=cfg.engine.releases_memory, loading=[e.status.remote() for e in actors],
                     engine_groups=engine_groups, min_engines=layout.min_engines if layout.elastic else None,
-                    missing=set(range(n)) - set(placed), incarnations=[None] * n)
+                    missing=set(range(n)) - set(placed), incarnations=[None] * n, new_engine=new_engine)
         if wait:
             group.wait_loaded()
         return group
@@ -278,6 +282,24 @@ class EngineGroup:
 
         draining = state.state.get_draining_nodes()
         return sorted(e for e, node in self.nodes.items() if node in draining)
+
+    def renew(self, down: set[int]) -> list[int]:
+        """An elastic fleet: each engine of `down` whose node was lost and that Ray could not place again is
+        started again, under a new handle, in a new placement group that Ray places whenever a node has room.
+        Ray would place the old group itself, but it retries a group whose node died with no backoff: with no
+        room anywhere the GCS spent half a core on it and steps took 60-90 s instead of 3 (BENCHMARKS.md,
+        "Engines that come and go"). A new group is retried at most once a second. Returns the engines started
+        again."""
+        lost = [e for e in sorted(down) if placement_group_table(self.engine_groups[e])["state"] == "RESCHEDULING"]
+        for e in lost:
+            old = self.engine_groups[e]
+            ray.kill(self.actors[e], no_restart=True)
+            remove_placement_group(old)
+            self.engine_groups[e] = placement_group(old.bundle_specs, strategy="PACK")
+            self.actors[e] = self.new_engine(e, PlacementGroupSchedulingStrategy(self.engine_groups[e], 0))
+        if lost:
+            log.warning("engines %s lost their node and wait for room in new placement groups", lost)
+        return lost
 
     def drain(self, engines: list[int], timeout_s: float = 60.0) -> None:
         """These engines leave gracefully: each returns once its running calls handed back their partial

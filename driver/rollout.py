@@ -1,9 +1,11 @@
 """The rollout of a job: prompt source, partial-rollout store and completion monitor over the engines of
 an `EngineGroup`, and the driver's side of a rollout step (`step`), which also hands engines that died
 and came back to the running step. With an elastic fleet (engine.min_engines) each step starts by taking
-in the engines Ray has placed again, and letting those on draining nodes leave (`refresh`)."""
+in the engines Ray has placed again, and letting those on draining nodes leave (`refresh`); a thread starts
+engines whose node was lost again, in new placement groups (`watch_nodes`)."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +31,11 @@ class RolloutGroup:
     """Overlapped mode: the rollout step asked for before its turn, by step."""
     wait_s: float = 600.0
     """rollout.engine_wait_s: how long a step waits below engine.min_engines live engines before it fails."""
+    renewing: object = field(default_factory=threading.Lock)
+    """Held while engines are renewed: by the driver's thread at a step's start, or by `watcher`."""
+    stop: object = field(default_factory=threading.Event)
+    watcher: object = None
+    """An elastic fleet: the thread that renews engines whose node was lost (`watch_nodes`) until `stop`."""
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, train_path: str, engines: EngineGroup) -> "RolloutGroup":
@@ -38,7 +45,11 @@ class RolloutGroup:
         monitor = start_monitor(cfg, engines, source, store)
         if engines.missing:  # an elastic fleet's engines not placed (yet): no work for them until they are
             ray.get(monitor.leave.remote(sorted(engines.missing)))
-        return cls(source, store, monitor, engines, ray.get(monitor.run_id.remote()), wait_s=cfg.rollout.engine_wait_s)
+        group = cls(source, store, monitor, engines, ray.get(monitor.run_id.remote()), wait_s=cfg.rollout.engine_wait_s)
+        if engines.min_engines is not None:
+            group.watcher = threading.Thread(target=group.watch_nodes, name="renew-engines", daemon=True)
+            group.watcher.start()
+        return group
 
     def step(self, step: int, version: int, keep_running: bool = False):
         """One rollout step, started and waited for: a `StepResult` of sample refs."""
@@ -69,9 +80,9 @@ class RolloutGroup:
         waits for more, saying so every `remind_s`, up to rollout.engine_wait_s. Returns the live engines."""
         engines, start, said = self.engines, time.monotonic(), -remind_s
         live = ray.get(self.monitor.live_engines.remote())
-        gone = self.take_out(live)
-        live = [e for e in live if e not in gone]
         while True:
+            gone = self.take_out(live)
+            live = [e for e in live if e not in gone]
             gone = [e for e in range(len(engines.actors)) if e not in live]
             back = engines.catch_up(gone, wait_s=1.0) if gone else []
             if back:
@@ -96,7 +107,8 @@ class RolloutGroup:
         """Of the `live` engines, those whose node Ray reports draining leave gracefully: the monitor gives
         them no new work, then their running calls hand back every partial sample. Those Ray no longer holds
         alive (their node lost while they were idle: no call of the monitor's failed) get no more work: a
-        call would wait for them to be placed again. Returns both."""
+        call would wait for them to be placed again. Then `renew`. Returns the leaving, the lost and the
+        renewed."""
         leaving = [e for e in self.engines.on_draining_nodes() if e in live]
         if leaving:
             ray.get(self.monitor.leave.remote(leaving))
@@ -104,8 +116,27 @@ class RolloutGroup:
         lost = sorted(self.engines.down() & set(live) - set(leaving))
         if lost:
             ray.get(self.monitor.leave.remote(lost, False))
-        self.engines.missing |= {*leaving, *lost}
-        return leaving + lost
+        renewed = self.renew()
+        self.engines.missing |= {*leaving, *lost, *renewed}
+        return sorted({*leaving, *lost, *renewed} & set(live))
+
+    def renew(self) -> list[int]:
+        """The engines whose node was lost with no room for them elsewhere, started again under new handles
+        (`EngineGroup.renew`): the monitor gives them no work (one it thought live was idle, its death unseen)
+        and takes their new handles. Returns them."""
+        with self.renewing:
+            renewed = self.engines.renew(self.engines.down())
+            if renewed:
+                ray.get(self.monitor.leave.remote(renewed, False))
+                ray.get(self.monitor.renewed.remote({e: self.engines.actors[e] for e in renewed}))
+        return renewed
+
+    def watch_nodes(self, every_s: float = 2.0) -> None:
+        """An elastic fleet, on a thread of its own: `renew` every `every_s` whatever the driver does. Until an
+        engine that lost its node is renewed the GCS spins, retrying its placement group, and a learner step
+        may take minutes (one under it here took 17 s instead of 1.5: BENCHMARKS.md)."""
+        while not self.stop.wait(every_s):
+            self.renew()
 
     def begin(self, step: int, version: int, keep_running: bool = False, after: int | None = None):
         """Start a rollout step whose batch is trained at `version` (the overlapped mode starts the next one
@@ -115,27 +146,25 @@ class RolloutGroup:
 
     def result(self, started, poll_s: float = 1.0, drain_poll_s: float = 5.0):
         """The started step's `StepResult`. Meanwhile the driver waits on the monitor to say an engine was
-        lost; while any is, it tries every `poll_s` to catch it up once Ray has restarted it, and hands it
-        back, so a step goes on (or, with every engine dead, resumes) without waiting for its end. An
-        elastic fleet also looks every `drain_poll_s` for draining nodes and engines lost while idle
-        (`take_out`: a notice gives seconds, a step may take minutes)."""
+        lost (one call at a time, answered when the dead engines change or the step ends); while any is, it
+        tries every `poll_s` to catch it up once Ray has restarted it, and hands it back, so a step goes on (or,
+        with every engine dead, resumes) without waiting for its end. An elastic fleet also looks every
+        `drain_poll_s` for draining nodes and engines lost while idle (`take_out`: a notice gives seconds, a
+        step may take minutes)."""
         ref, step = started
-        elastic, looked = self.engines.min_engines is not None, time.monotonic()
+        elastic, looked, dead, changed = self.engines.min_engines is not None, time.monotonic(), [], None
         while not ray.wait([ref], timeout=0)[0]:
-            changed = self.monitor.dead_engines.remote([], step)  # returns at a death, or the step's end
-            if elastic:
-                ray.wait([changed], timeout=drain_poll_s)
-                if time.monotonic() - looked >= drain_poll_s:
-                    looked = time.monotonic()
-                    self.take_out([e for e in range(len(self.engines.actors)) if e not in self.engines.missing])
-                if not ray.wait([changed], timeout=0)[0]:
-                    continue
-            dead = ray.get(changed)
+            if changed is None:
+                changed = self.monitor.dead_engines.remote(dead, step)
+            if ray.wait([changed], timeout=poll_s if dead else drain_poll_s if elastic else None)[0]:
+                dead, changed = ray.get(changed), None
+            if elastic and time.monotonic() - looked >= drain_poll_s:
+                looked = time.monotonic()
+                self.take_out([e for e in range(len(self.engines.actors)) if e not in self.engines.missing])
             back = self.engines.catch_up(dead, wait_s=poll_s) if dead else []
             if back:
                 ray.get(self.monitor.revive.remote(back))
-            elif dead:
-                ray.wait([ref], timeout=poll_s)
+                self.engines.missing -= set(back)
         if elastic:  # what the driver's calls to engines skip until the next step
             live = ray.get(self.monitor.live_engines.remote())
             self.engines.missing = set(range(len(self.engines.actors))) - set(live)
@@ -152,6 +181,9 @@ class RolloutGroup:
         ray.wait(calls, num_returns=len(calls), timeout=timeout_s)  # a dead engine's fail: it runs nothing
 
     def shutdown(self) -> None:
+        self.stop.set()
+        if self.watcher is not None:
+            self.watcher.join()  # no renew after this: the engines may be shut down next
         for actor in (self.source, self.store, self.monitor):
             ray.kill(actor)
 

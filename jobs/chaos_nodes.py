@@ -16,8 +16,9 @@ under `ray.cluster_utils.Cluster`; three engines, engine.min_engines=1. Over one
    allow_graceful=False)`), its engines with it, their in-flight samples re-dispatched as after a crash.
 
 The result: the checks of `groups.jsonl` (driver/records.py: 0 lost, 0 trained twice, the staleness bound
-held), each event with the steps it covers, and per step the live engines, the throughput, the leaves and
-crashes the monitor saw and the tokens crashes lost (0 over the graceful leave's steps: `graceful`).
+held), each event with the steps it covers, and per step the live engines, the seconds and throughput, the
+GCS's share of a core, the leaves and crashes the monitor saw and the tokens crashes lost (0 over the
+graceful leave's steps: `graceful`); and the throughput by live engines (`by_live_engines`).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -54,6 +56,8 @@ class NodeChurn:
         self.events: list[dict] = []
         self.stop = threading.Event()
         self.error: str | None = None
+        self.gcs_cpu: dict[int, tuple[float, float]] = {}
+        """Steps done -> (time, the GCS process's CPU seconds) when they were first seen done."""
 
     def steps_done(self) -> int:
         path = self.out_dir / "groups.jsonl"
@@ -61,15 +65,26 @@ class NodeChurn:
         return sum(1 for line in lines if line.strip() and "end" not in json.loads(line))
 
     def run(self) -> None:
+        """Each event once its step is done, and the GCS's CPU time at each step's end, until the job ends."""
+        import psutil
+
+        gcs = psutil.Process(self.cluster.head_node.all_processes["gcs_server"][0].process.pid)
+        events = [(PREEMPT_AT, self.preempt), (JOIN_AT, self.join), (KILL_AT, self.kill)]
         try:
-            for at, event in ((PREEMPT_AT, self.preempt), (JOIN_AT, self.join), (KILL_AT, self.kill)):
-                while self.steps_done() < at:
-                    if self.stop.wait(0.2):
-                        return
-                self.events.append({"after_step": at, "t": time.time(), **event()})
-                print(f"chaos: {json.dumps(self.events[-1])}", flush=True)
+            while not self.stop.wait(0.2):
+                done = self.steps_done()
+                self.gcs_cpu.setdefault(done, (time.time(), sum(gcs.cpu_times()[:2])))
+                if events and done >= events[0][0]:
+                    at, event = events.pop(0)
+                    self.events.append({"after_step": at, "t": time.time(), **event()})
+                    print(f"chaos: {json.dumps(self.events[-1])}", flush=True)
         except Exception as e:  # reported in the result: an event that did not happen must not pass unseen
             self.error = f"{type(e).__name__}: {e}"
+
+    def gcs_share(self, step: int) -> float | None:
+        """The share of one core the GCS used while `step` ran (Ray's placement retries showed there)."""
+        (t0, c0), (t1, c1) = self.gcs_cpu.get(step, (0, 0)), self.gcs_cpu.get(step + 1, (0, 0))
+        return round((c1 - c0) / (t1 - t0), 2) if t0 and t1 > t0 else None
 
     @staticmethod
     def engines_on(node) -> list[int]:
@@ -178,9 +193,10 @@ def run_node_churn(cfg) -> dict:
               "wall_s": round(time.time() - t0, 1), "accuracy_before": summary.get("accuracy_before"),
               "accuracy_after": summary.get("accuracy_after"), "error": error, "churn_error": churn.error}
     result |= check_records(out, cfg.rollout.n_samples_per_prompt)
-    per_step = step_rows(out)
+    per_step = [r | {"gcs_cpu_share": churn.gcs_share(r["step"])} for r in step_rows(out)]
     result["events"] = with_windows(churn.events, per_step, cfg.train.num_steps)
     result["per_step"] = per_step
+    result["by_live_engines"] = by_live_engines(per_step)
     graceful = next((e for e in result["events"] if e["event"] == "preempt"), None)
     result["graceful"] = graceful and {k: graceful[k] for k in ("crash_tokens_lost", "engine_crashes", "engine_leaves")}
     result["ok"] = (error is None and churn.error is None and len(churn.events) == 3
@@ -192,9 +208,10 @@ def run_node_churn(cfg) -> dict:
 
 
 def step_rows(out: Path) -> list[dict]:
-    """Per step: the live engines at its end, its throughput (tokens generated per rollout second, and per
-    second of the whole step), and the leaves, crashes and crash-lost tokens the monitor saw in it."""
-    keys = {"engines_live": "engines/live", "generated_tok_s": "rollout/generated_tok_s",
+    """Per step: the live engines at its end, its seconds (rollout, learner and weight sync; the evaluation
+    after it apart), its throughput (samples trained and tokens generated per step second, tokens per rollout
+    second), and the leaves, crashes and crash-lost tokens the monitor saw in it."""
+    keys = {"engines_live": "engines/live", "samples": "train/num_samples", "generated_tok_s": "rollout/generated_tok_s",
             "effective_tok_s": "rollout/effective_tok_s", "engine_leaves": "rollout/engine_leaves",
             "engine_crashes": "rollout/engine_crashes", "crash_tokens_lost": "rollout/crash_tokens_lost",
             "generated_tokens": "rollout/generated_tokens"}
@@ -202,11 +219,24 @@ def step_rows(out: Path) -> list[dict]:
     for r in read_jsonl(out / "metrics.jsonl"):
         if "engines/live" not in r:  # the final evaluation's row
             continue
-        step_s = sum(v for k, v in r.items() if k.startswith("time/") and k.endswith("_s") and k != "time/wall_s")
-        row = {"step": int(r["step"]), **{k: r.get(v) for k, v in keys.items()}, "step_s": round(step_s, 2)}
+        step_s = sum(r.get(f"time/{phase}_s", 0.0) for phase in ("rollout", "learner", "weight_sync"))
+        row = {"step": int(r["step"]), **{k: r.get(v) for k, v in keys.items()}, "step_s": round(step_s, 2),
+               "eval_s": round(r.get("time/eval_s", 0.0), 2)}
+        row["samples_per_s"] = round(row["samples"] / step_s, 2) if step_s and row["samples"] else None
         row["tok_per_step_s"] = round(row["generated_tokens"] / step_s, 1) if step_s else None
         rows.append(row)
     return rows
+
+
+def by_live_engines(rows: list[dict]) -> list[dict]:
+    """Per number of live engines at a step's end: the steps, their median seconds and samples per second."""
+    out = []
+    for live in sorted({r["engines_live"] for r in rows}):
+        steps = [r for r in rows if r["engines_live"] == live]
+        out.append({"engines_live": live, "steps": [r["step"] for r in steps],
+                    "step_s_median": statistics.median(r["step_s"] for r in steps),
+                    "samples_per_s_median": statistics.median(r["samples_per_s"] or 0 for r in steps)})
+    return out
 
 
 def with_windows(events: list[dict], rows: list[dict], num_steps: int) -> list[dict]:
