@@ -94,10 +94,10 @@ class CompletionMonitorActor:
         for e, actor in engines.items():
             self.pool.engines[e] = actor
 
-    async def leave(self, engines: list[int], left: bool = True) -> None:
-        """Engines not placed yet, leaving gracefully, or (`left=False`) found dead while idle
-        (driver/rollout.py): no work until `revive`."""
-        self.monitor.leave(engines, left)
+    async def leave(self, engines: list[int], left: bool = True, counted: bool = True) -> None:
+        """Engines leaving gracefully, not placed yet (`counted=False`), or (`left=False`) found dead while
+        idle (driver/rollout.py): no work until `revive`."""
+        self.monitor.leave(engines, left, counted)
         self.metrics.engines_seen(self.monitor.engines)
 
     async def live_engines(self) -> list[int]:

@@ -44,7 +44,7 @@ class RolloutGroup:
         store = StoreActor.options(scheduling_strategy=on_driver_node()).remote(cfg.staleness)
         monitor = start_monitor(cfg, engines, source, store)
         if engines.missing:  # an elastic fleet's engines not placed (yet): no work for them until they are
-            ray.get(monitor.leave.remote(sorted(engines.missing)))
+            ray.get(monitor.leave.remote(sorted(engines.missing), counted=False))
         group = cls(source, store, monitor, engines, ray.get(monitor.run_id.remote()), wait_s=cfg.rollout.engine_wait_s)
         if engines.min_engines is not None:
             group.watcher = threading.Thread(target=group.watch_nodes, name="renew-engines", daemon=True)

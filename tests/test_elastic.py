@@ -40,10 +40,11 @@ def test_a_leaving_engine_hands_back_every_partial_with_its_tokens_then_refuses_
 def test_the_monitor_runs_on_the_live_engines_and_takes_new_ones_in():
     """Engine 2 is not placed at the start; engine 1 leaves mid-step (its node preempted): its samples go on
     elsewhere with their tokens, a leave and no crash; then a new engine 1 (Ray placed it on a node that
-    joined) and engine 2 are taken in and get work."""
+    joined) and engine 2 are taken in and get work; engine 0 then leaves between steps (its node drained
+    while the learner trained), which the next step's row counts as a leave."""
     c = cfg(max_versions=100)
     rollout, pool, source, store, engines = make_rollout_parts(c, seed=9, num_engines=3, tick=0.001)
-    rollout.leave([2])
+    rollout.leave([2], counted=False)
 
     async def main():
         seen = set()
@@ -61,13 +62,20 @@ def test_the_monitor_runs_on_the_live_engines_and_takes_new_ones_in():
         rollout.revive([1, 2])
         r2 = await rollout.step(2, 0)
         check_invariants(r2, rollout, source, store, c, seen)
-        return r1, r2
+        alive = list(rollout.alive)
+        rollout.leave([0])
+        r3 = await rollout.step(3, 0)
+        check_invariants(r3, rollout, source, store, c, seen)
+        return r0, r1, r2, r3, alive
 
-    r1, r2 = asyncio.run(main())
+    r0, r1, r2, r3, alive = asyncio.run(main())
+    assert r0.metrics["rollout/engine_leaves"] == 0  # not placed at the start: no leave
     m = r1.metrics
     assert (m["rollout/engine_leaves"], m["rollout/engine_crashes"], m["rollout/crash_tokens_lost"]) == (1, 0, 0)
     assert m["engines/live"] == 1 and rollout.num_engine_crashes == 0
-    assert r2.metrics["engines/live"] == 3 and rollout.alive == [True, True, True]
+    assert r2.metrics["engines/live"] == 3 and alive == [True, True, True]
+    m = r3.metrics
+    assert (m["rollout/engine_leaves"], m["rollout/engine_crashes"], m["engines/live"]) == (1, 0, 2)
     assert pool.workers[1].engine.num_calls > 0 and engines[2].num_calls > 0
 
 

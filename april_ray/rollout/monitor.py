@@ -93,6 +93,7 @@ class CompletionMonitor:
         self.num_returned_groups = 0
         self.num_dropped_groups = 0
         self.num_engine_crashes = 0
+        self.leaves_between = 0  # engines that left between steps: the next step's rollout/engine_leaves
         self.token_rate = 0.0
         """Tokens per second per sequence in the last step's returned calls (the crash-loss estimate)."""
         self.finished_handles: dict[str, Any] = {}
@@ -147,11 +148,10 @@ class CompletionMonitor:
         """Take engines back (restarted, and holding the current weights): they get work again at once."""
         self.engines.revive(engines)
 
-    def leave(self, engines: list[int], left: bool = True) -> None:
-        """Engines not placed yet, or leaving (their node drains): no work until `revive`; not crashes
-        (`left=False`: found dead while idle, as their node was lost)."""
-        for e in engines:
-            self.engines.lose(e, left=left)
+    def leave(self, engines: list[int], left: bool = True, counted: bool = True) -> None:
+        """Engines leaving (their node drains: the next step's rollout/engine_leaves), not placed yet
+        (`counted=False`), or found dead while idle (`left=False`, their node lost): no work until `revive`."""
+        self.leaves_between += sum(self.engines.lose(e, left=left) and left and counted for e in engines)
 
     # -- one step ---------------------------------------------------------------------------------------
     async def step(self, step: int, version: int, keep_running: bool = False, after: int | None = None) -> StepResult:
@@ -173,6 +173,7 @@ class CompletionMonitor:
                 self._group_done(s, gid)
         else:
             s = StepState(step, version, (self.run_id, step), EngineLoads(self.pool.capacities), started_s=t0)
+        s.engine_leaves, self.leaves_between = s.engine_leaves + self.leaves_between, 0
         for group in await self.store.take_complete():  # surplus of the previous step comes first
             self._register(s, group, dispatch=False)
             self._group_done(s, group.group_id)
