@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from april_ray.rollout.agent_chat import MODEL, bare_tool_calls, parse_request, qwen3_tool_calls
-from april_ray.rollout.agent_endpoint import IDEMPOTENCY_HEADER, JOURNAL_PATH, AgentEndpoint, match
+from april_ray.rollout.agent_endpoint import IDEMPOTENCY_HEADER, JOURNAL_FIELD, JOURNAL_PATH, AgentEndpoint, match
 from april_ray.rollout.engine_worker import EngineWorker
 from april_ray.rollout.episode import ToolJournal
 from april_ray.rollout.store import sample_from_json, sample_to_json
@@ -277,8 +277,8 @@ def test_qwen3_tool_calls_round_trip_with_the_sampled_tokens(qwen3):
 
 
 def test_tool_call_parsers():
-    assert (lookup_openai.MODEL, lookup_openai.IDEMPOTENCY_HEADER, "/v1" + lookup_openai.JOURNAL) == (
-        MODEL, IDEMPOTENCY_HEADER, JOURNAL_PATH)
+    assert (lookup_openai.MODEL, lookup_openai.JOURNAL_FIELD, "/v1" + lookup_openai.JOURNAL) == (
+        MODEL, JOURNAL_FIELD, JOURNAL_PATH)
     tools = lookup_openai.TOOLS
     content, [c] = qwen3_tool_calls('ok <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>', tools)
     assert content == "ok" and c["function"] == {"name": "f", "arguments": '{"x": 1}'}
@@ -387,6 +387,36 @@ def test_the_journal_keeps_an_agents_tool_results_for_its_own_sample_only():
     assert answers == [(404, None), (200, None), (200, None), (200, 7), (403, None), (401, None), (400, None)]
     stats = worker.tool_stats()
     assert (stats.calls, stats.replays) == (2, 1) and endpoint.stats.errors == 3  # 403, 401, 400: not the 404
+
+
+def test_a_turn_that_calls_a_tool_brings_the_journals_answer_for_its_key():
+    """`april_journal` on a turn with a tool call: `{"key"}` (the turn's idempotency key) before a result is
+    recorded under it, `{"key", "value"}` once one is, as a replay of that turn gets it; a turn without a call
+    has none."""
+    replies = []
+
+    async def agent(base_url, api_key, row):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": row["prompt"]}], "tools": lookup_openai.TOOLS,
+                "stop": ["?"]}
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {api_key}"}) as http:
+            for record in (True, False):
+                async with http.post(base_url + "/chat/completions", json=body) as r:
+                    replies.append((r.headers[IDEMPOTENCY_HEADER], await r.json()))
+                if record:
+                    async with http.post(base_url.removesuffix("/v1") + JOURNAL_PATH,
+                                         json={"key": replies[-1][0], "value": 12}) as r:
+                        assert r.status == 200
+            async with http.post(base_url + "/chat/completions", json=dict(body, tools=None)) as r:
+                replies.append((r.headers[IDEMPOTENCY_HEADER], await r.json()))
+        return 0.5
+
+    _, worker, endpoint = agent_worker(agent)
+
+    [meta], _ = run_group(worker, endpoint, [fresh("ab-1:")])
+    (key, first), (again, replay), (_, no_call) = replies
+    assert meta.error is None and key == again and first["choices"][0]["message"]["tool_calls"]
+    assert first[JOURNAL_FIELD] == {"key": key} and replay[JOURNAL_FIELD] == {"key": key, "value": 12}
+    assert JOURNAL_FIELD not in no_call and worker.tool_stats().replays == 1
 
 
 def test_an_agent_whose_client_raises_on_a_4xx_fails_its_episode_only():

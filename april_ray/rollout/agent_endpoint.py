@@ -32,7 +32,9 @@ request are ignored; `stop` is honoured); `logprobs: true` returns the behaviour
 Side effects of a replayed agent: each response carries `X-April-Idempotency-Key`, the key of the
 trajectory up to that turn (`episode.tool_key`): the same on every replay of the same tokens, so an agent
 can recognise a tool call it already carried out; it may keep the call's result in the job's tool journal under
-that key (`POST /v1/april/journal`), and a replay reads it back instead of running the tool again. A malformed
+that key (`POST /v1/april/journal`), and a replay reads it back instead of running the tool again: a turn that
+calls tools brings the journal's answer along (`april_journal`: `{"key", "value"}` when recorded, `{"key"}` when
+not), so running a call costs one request (its record), not two. A malformed
 request gets OpenAI's error shape with a 4xx (`agent_chat.RequestError`); the agent's client raises, and its
 episode fails and is dropped, not trained.
 """
@@ -52,6 +54,8 @@ from april_ray.types import FinishReason
 
 IDEMPOTENCY_HEADER = "X-April-Idempotency-Key"
 JOURNAL_PATH = "/v1/april/journal"
+JOURNAL_FIELD = "april_journal"
+"""A response's field, on a turn that calls tools: the journal's answer for its key (`_recorded`)."""
 BACKLOG = 2048
 """Connections the endpoint's socket queues before the event loop accepts them (Linux caps it at somaxconn)."""
 
@@ -275,9 +279,25 @@ class AgentEndpoint:
             async with session.lock:
                 self.stats.requests += 1
                 body, key = await self.serve(session, req)
+                if body["choices"][0]["message"].get("tool_calls"):
+                    body[JOURNAL_FIELD] = await self._recorded(session, key)
         except RequestError as e:
             return self._error(e)
         return web.json_response(body, headers={IDEMPOTENCY_HEADER: key})
+
+    async def _recorded(self, session: AgentSession, key: str) -> dict:
+        """What the job's tool journal holds for a turn that calls tools (`april_journal` of its response):
+        `{"key", "value"}` when a result is recorded under its key (a replay), `{"key"}` when not; so the agent
+        knows whether to run its call without a journal read of its own (a request per call)."""
+        ctx = session.ep.context
+        try:
+            recorded = await ctx.journal.begin(key)
+        except ToolCallsStopped as e:
+            raise RequestError(409, str(e), code="job_ending") from None
+        if recorded is None:
+            return {"key": key}
+        ctx.tool_stats.replays += 1
+        return {"key": key, "value": recorded["value"]}
 
     def render(self, req: ChatRequest) -> list[int]:
         try:

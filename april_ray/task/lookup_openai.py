@@ -9,9 +9,10 @@ key, and its answer goes back as a `role: tool` message; a turn without a call, 
 key, ends the episode, and the task's reward scores the whole response (the agent returns None).
 
 Each tool call is done once per trajectory: its result is kept in the job's tool journal under the turn's
-idempotency key (`X-April-Idempotency-Key`, the same on every replay of the same tokens), through the
-endpoint's `POST /v1/april/journal`, and a replayed agent (its sample resumed on another engine, or after
-a driver restart) reads it back instead of calling the tool again.
+idempotency key (the same on every replay of the same tokens), through the endpoint's `POST
+/v1/april/journal`; a turn that calls the tool comes with the journal's answer for its key (`april_journal`,
+an extra field of the response), so a replayed agent (its sample resumed on another engine, or after a driver
+restart) takes the recorded result instead of calling the tool again, and a first call costs one request.
 
 One client per event loop and endpoint, as OpenAI advises, each episode with its own key
 (`with_options`): a client per episode built an HTTP client each time, whose loading of the CA bundle
@@ -28,10 +29,10 @@ import openai  # the `test` extra; only a job whose rollout.agent_fn is this loa
 from april_ray.task.lookup_countdown import answer, lookup
 
 MODEL = "policy"
-IDEMPOTENCY_HEADER = "X-April-Idempotency-Key"
 JOURNAL = "/april/journal"
-"""The endpoint's model name, idempotency header and journal route, as any agent would write them (a task
-never imports the rollout package; tests/test_agent_endpoint.py holds them equal)."""
+JOURNAL_FIELD = "april_journal"
+"""The endpoint's model name, journal route and the response's journal field, as any agent would write them
+(a task never imports the rollout package; tests/test_agent_endpoint.py holds them equal)."""
 
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "The value of the prompt's next key, with the step to count down by.",
@@ -50,14 +51,13 @@ def client_for(base_url: str) -> openai.AsyncOpenAI:
     return clients[base_url]
 
 
-async def once(client: openai.AsyncOpenAI, key: str, tool, *args):
-    """`tool(*args, idempotency_key=key)`, unless the journal holds its result under `key` already."""
-    try:
-        return (await client.post(JOURNAL, body={"key": key}, cast_to=dict))["value"]
-    except openai.NotFoundError:
-        pass
-    value = tool(*args, idempotency_key=key)
-    await client.post(JOURNAL, body={"key": key, "value": value}, cast_to=dict)
+async def once(client: openai.AsyncOpenAI, recorded: dict, tool, *args):
+    """`tool(*args, idempotency_key=key)` and its result journaled, unless the journal holds it under the turn's
+    key already (`recorded`: the response's `april_journal`, `{"key"[, "value"]}`)."""
+    if "value" in recorded:
+        return recorded["value"]
+    value = tool(*args, idempotency_key=recorded["key"])
+    await client.post(JOURNAL, body={"key": recorded["key"], "value": value}, cast_to=dict)
     return value
 
 
@@ -68,13 +68,12 @@ async def agent(base_url: str, api_key: str, row: dict, max_retries: int = 0) ->
     messages: list[dict] = [{"role": "user", "content": row["prompt"]}]
     client = client_for(base_url).with_options(api_key=api_key, max_retries=max_retries)
     for turn in range(1, len(keys) + 2):
-        raw = await client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, tools=TOOLS,
-                                                                     stop=["?"])
-        message = raw.parse().choices[0].message
+        completion = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, stop=["?"])
+        message = completion.choices[0].message
         if not message.tool_calls or turn > len(keys):
             return None
         key = keys[turn - 1]
-        value = await once(client, raw.headers.get(IDEMPOTENCY_HEADER, ""), lookup, row["sample_id"], turn, key)
+        value = await once(client, completion.model_extra[JOURNAL_FIELD], lookup, row["sample_id"], turn, key)
         messages += [message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": message.tool_calls[0].id,
                       "content": answer(key, value, int(step))}]
