@@ -45,45 +45,70 @@ def get(url: str, timeout: float = 5) -> str:
         return r.read().decode()
 
 
+STARTUP_TIMED_OUT = "timed out during startup"
+"""What `ray start` says when its node did not come up in Ray's fixed 30 s (a loaded machine): worth a new try."""
+
+
 @contextlib.contextmanager
-def local_head(log_path: Path, num_cpus: int = 8, up_s: float = 240, export_interval_ms: int = 1000):
+def local_head(log_path: Path, num_cpus: int = 8, up_s: float = 240, export_interval_ms: int = 1000,
+               tries: int = 3):
     """`ray start --head --block` on 127.0.0.1 with free ports and its own temp dir, so no other
     `ray.init()` on the machine finds it; yields {"dashboard": port, "metrics": port, "temp_dir": path,
-    "gcs": its address}
-    (its nodes export their metrics every `export_interval_ms`). Leaving stops the
+    "gcs": its address} once the node is up ("Ray runtime started.") and the dashboard answers
+    (its nodes export their metrics every `export_interval_ms`). A start whose node timed out, which Ray's
+    dashboard can outlive for a moment, is tried again, up to `tries` times. Leaving stops the
     command, and Ray's reaper stops what it started: never `ray stop`, which ends every Ray here."""
-    gcs, dashboard, metrics, agent, client = free_ports(5)
-    temp_dir = tempfile.mkdtemp(prefix="rayjs", dir="/tmp")  # short: Ray's socket paths have a length limit
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-           "RAY_USAGE_STATS_ENABLED": "0", "RAY_metrics_report_interval_ms": str(export_interval_ms),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    env.pop("RAY_ADDRESS", None)
-    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-           f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-           f"--metrics-export-port={metrics}", f"--dashboard-agent-listen-port={agent}",
-           f"--ray-client-server-port={client}", f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.time() + up_s
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"ray start exited:\n{log_path.read_text()[-3000:]}")
-                try:
-                    get(f"http://127.0.0.1:{dashboard}/api/version")
-                    break
-                except OSError:
-                    if time.time() > deadline:
-                        raise RuntimeError(f"the dashboard did not answer within {up_s:.0f}s") from None
-                    time.sleep(1)
-            yield {"dashboard": dashboard, "metrics": metrics, "temp_dir": temp_dir, "gcs": f"127.0.0.1:{gcs}"}
-        finally:
-            proc.send_signal(signal.SIGTERM)
+    for attempt in range(1, tries + 1):
+        gcs, dashboard, metrics, agent, client = free_ports(5)
+        temp_dir = tempfile.mkdtemp(prefix="rayjs", dir="/tmp")  # short: Ray's socket paths have a length limit
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+               "RAY_USAGE_STATS_ENABLED": "0", "RAY_metrics_report_interval_ms": str(export_interval_ms),
+               "PYTHONUNBUFFERED": "1",  # its "Ray runtime started." reaches the log as it is said
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        env.pop("RAY_ADDRESS", None)
+        cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+               f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+               f"--dashboard-port={dashboard}", f"--metrics-export-port={metrics}",
+               f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}",
+               f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}"]
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the process group of the command started here
-            shutil.rmtree(temp_dir, ignore_errors=True)
+                up = wait_up(proc, log_path, dashboard, up_s, retry=attempt < tries)
+                if up:
+                    yield {"dashboard": dashboard, "metrics": metrics, "temp_dir": temp_dir,
+                           "gcs": f"127.0.0.1:{gcs}"}
+                    return
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the process group of the command started here
+                shutil.rmtree(temp_dir, ignore_errors=True)
+        print(f"ray start: the node timed out during startup (try {attempt} of {tries}); starting it again",
+              file=sys.stderr)
+
+
+def wait_up(proc, log_path: Path, dashboard: int, up_s: float, retry: bool) -> bool:
+    """Whether `ray start` brought its node up and its dashboard answers within `up_s`; False when the node
+    timed out during startup and `retry`; any other exit, or the deadline, raises with the log's end."""
+    deadline = time.time() + up_s
+    while True:
+        if proc.poll() is not None:
+            text = log_path.read_text()
+            if retry and STARTUP_TIMED_OUT in text:
+                return False
+            raise RuntimeError(f"ray start exited:\n{text[-3000:]}")
+        if "Ray runtime started." in log_path.read_text():
+            try:
+                get(f"http://127.0.0.1:{dashboard}/api/version")
+                return True
+            except OSError:
+                pass
+        if time.time() > deadline:
+            raise RuntimeError(f"the head did not come up within {up_s:.0f}s:\n{log_path.read_text()[-3000:]}")
+        time.sleep(1)
 
 
 def submit(client, entrypoint: str, wait_s: float = 180) -> str:

@@ -65,3 +65,27 @@ def test_other_refusals_are_raised_at_once():
     with pytest.raises(RuntimeError, match="bad runtime_env"):
         submit(head, "python -m jobs.train")
     assert len(head.calls) == 1
+
+
+class ExitedStart:
+    """A `ray start` process that has exited (`Popen.poll`)."""
+
+    def poll(self):
+        return 1
+
+
+@pytest.mark.parametrize("retry", [True, False])
+def test_a_head_whose_node_timed_out_is_started_again_and_any_other_exit_raises(tmp_path, retry):
+    """`ray start` exits when its node misses Ray's startup timeout on a loaded machine, though its dashboard
+    answered a moment before: `local_head` tries again (`wait_up` is False) while tries are left; another
+    exit, or the last try's, raises with the log's end."""
+    log = tmp_path / "ray_start.log"
+    log.write_text("Exception: The current node timed out during startup. This could happen because ...\n")
+    if retry:
+        assert dashboard_screenshot.wait_up(ExitedStart(), log, dashboard=1, up_s=5, retry=True) is False
+    else:
+        with pytest.raises(RuntimeError, match="timed out during startup"):
+            dashboard_screenshot.wait_up(ExitedStart(), log, dashboard=1, up_s=5, retry=False)
+    log.write_text("ValueError: --port is taken\n")
+    with pytest.raises(RuntimeError, match="port is taken"):
+        dashboard_screenshot.wait_up(ExitedStart(), log, dashboard=1, up_s=5, retry=True)
