@@ -242,18 +242,15 @@ class AgentEndpoint:
                 await ctx.journal.put(key, {"value": value[0]})
                 ctx.tool_stats.calls += 1
                 return web.json_response({"key": key})
-            recorded = await ctx.journal.begin(key)
-        except ToolCallsStopped as e:
-            return self._error(RequestError(409, str(e), code="job_ending"))
+            answer = await self._recorded(session, key)
         except RequestError as e:
             return self._error(e)
         except (TypeError, ValueError) as e:  # a value that is not JSON
             return self._error(RequestError(400, f"value: {e}", param="value"))
-        if recorded is None:  # not an error: the agent runs its tool now
+        if "value" not in answer:  # not an error: the agent runs its tool now
             return web.json_response(RequestError(404, f"no result recorded for {key}", code="not_found").body(),
                                      status=404)
-        ctx.tool_stats.replays += 1
-        return web.json_response({"key": key, "value": recorded["value"]})
+        return web.json_response(answer)
 
     def _session_of(self, request: web.Request) -> AgentSession | None:
         auth = request.headers.get("Authorization", "")
@@ -286,9 +283,9 @@ class AgentEndpoint:
         return web.json_response(body, headers={IDEMPOTENCY_HEADER: key})
 
     async def _recorded(self, session: AgentSession, key: str) -> dict:
-        """What the job's tool journal holds for a turn that calls tools (`april_journal` of its response):
-        `{"key", "value"}` when a result is recorded under its key (a replay), `{"key"}` when not; so the agent
-        knows whether to run its call without a journal read of its own (a request per call)."""
+        """What the job's tool journal holds under `key` (a journal read, and `april_journal` of a response
+        whose turn calls tools): `{"key", "value"}` when a result is recorded (a replay), `{"key"}` when not;
+        409 once the job is ending."""
         ctx = session.ep.context
         try:
             recorded = await ctx.journal.begin(key)
