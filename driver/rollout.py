@@ -5,6 +5,7 @@ in the engines Ray has placed again, and letting those on draining nodes leave (
 engines whose node was lost again, in new placement groups (`watch_nodes`)."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from actors.prompt_source import PromptSourceActor
 from actors.store import StoreActor
 from april_ray.config import Config, TrainConfig, run_seeded
 from driver.engines import EngineGroup
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -134,9 +137,14 @@ class RolloutGroup:
     def watch_nodes(self, every_s: float = 2.0) -> None:
         """An elastic fleet, on a thread of its own: `renew` every `every_s` whatever the driver does. Until an
         engine that lost its node is renewed the GCS spins, retrying its placement group, and a learner step
-        may take minutes (one under it here took 17 s instead of 1.5: BENCHMARKS.md)."""
+        may take minutes (one under it here took 17 s instead of 1.5: BENCHMARKS.md). A failed try (the monitor
+        dead and being restored in place, a node gone mid-call) is tried again at the next tick: the thread
+        outlives it, as the job does."""
         while not self.stop.wait(every_s):
-            self.renew()
+            try:
+                self.renew()
+            except Exception as e:  # noqa: BLE001 - the driver's own calls meet the same fault and handle it
+                log.warning("renewing engines failed, trying again in %.0f s: %r", every_s, e)
 
     def begin(self, step: int, version: int, keep_running: bool = False, after: int | None = None):
         """Start a rollout step whose batch is trained at `version` (the overlapped mode starts the next one

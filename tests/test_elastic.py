@@ -148,3 +148,28 @@ def test_an_engine_sigtermed_mid_step_leaves_gracefully_and_is_taken_back_once_p
                 group.shutdown()
         if owned:
             ray.shutdown()
+
+
+def test_the_renewing_thread_outlives_a_failed_try(monkeypatch):
+    """`watch_nodes` keeps renewing after a try that raised (the monitor dead while it is restored in place):
+    the next tick tries again, until `stop`."""
+    import threading
+
+    from driver.rollout import RolloutGroup
+
+    group = RolloutGroup(None, None, None, None, "run")
+    tries = []
+
+    def renew():
+        tries.append(1)
+        if len(tries) == 1:
+            raise RuntimeError("the monitor died")
+        if len(tries) == 3:
+            group.stop.set()
+        return []
+
+    monkeypatch.setattr(group, "renew", renew)
+    thread = threading.Thread(target=group.watch_nodes, kwargs={"every_s": 0.01})
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and len(tries) == 3
