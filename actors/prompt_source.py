@@ -13,12 +13,11 @@ class PromptSourceActor:
                  seed: int, max_prompt_tokens: int):
         """The dataset at `data_path`, read with `task`'s keys, chat template and overlong-prompt policy;
         `seed` orders the prompts; prompts must fit in `max_prompt_tokens`."""
-        from transformers import AutoTokenizer
-
         from april_ray.task.chat import PromptEncoder
         from april_ray.task.data import fit_context, read_examples
+        from april_ray.task.tokenizer import load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(model_path)
+        tok = load_tokenizer(model_path)
         encode = PromptEncoder(tok, task, f"the tokenizer of {model_path}")
         examples = fit_context(read_examples(data_path, task.prompt_key, task.answer_key, task.metadata_keys), encode,
                                max_prompt_tokens, task.overlong_prompts, "task.overlong_prompts",

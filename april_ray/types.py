@@ -204,6 +204,17 @@ class SampleMeta:
     reward_error: str | None = None
     """Why its reward call failed (it scored 0), naming the reward's config key."""
 
+    @staticmethod
+    def of(sample: Sample, num_new_tokens: int) -> SampleMeta:
+        """The meta of `sample`, whose last call generated `num_new_tokens`."""
+        counts: dict[int, int] = {}
+        for v in sample.model_versions:
+            counts[v] = counts.get(v, 0) + 1
+        model = sample.num_model_tokens
+        return SampleMeta(sample.sample_id, sample.group_id, sample.state, num_new_tokens, model, sample.reward,
+                          dict(sorted(counts.items())), len(sample.response_ids) - model, sample.episode is not None,
+                          (sample.episode or {}).get("error"))
+
 
 @dataclass(frozen=True, slots=True)
 class Group:

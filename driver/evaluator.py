@@ -11,6 +11,7 @@ from __future__ import annotations
 from april_ray.task.chat import PromptEncoder
 from april_ray.task.data import fit_context, read_examples
 from april_ray.task.evaluate import EvalItem, eval_items, set_metrics
+from april_ray.task.tokenizer import load_tokenizer
 from driver.engines import settle
 
 ATTEMPTS = 5
@@ -18,9 +19,7 @@ ATTEMPTS = 5
 
 class Evaluator:
     def __init__(self, cfg, engines, model_path: str, eval_path: str):
-        from transformers import AutoTokenizer  # here: a job whose inputs are wrong stops before torch loads
-
-        tok = AutoTokenizer.from_pretrained(model_path)
+        tok = load_tokenizer(model_path)
         self.encode = PromptEncoder(tok, cfg.task, f"the tokenizer of {model_path}")
         self.max_prompt_tokens = cfg.engine.max_model_len - cfg.sampling.max_response_len
         self.overlong = cfg.task.overlong_prompts

@@ -46,11 +46,10 @@ def check_data(cfg: Config, model_path, train_path, eval_path) -> None:
     """Read every dataset of the job as its readers will (the prompt source actor, the evaluator) and fit
     its prompts to the context, so a bad row stops the job here, named by file and line, before Ray starts
     (in an actor it would be a dead actor's traceback)."""
-    from transformers import AutoTokenizer
-
     from april_ray.task.chat import PromptEncoder
+    from april_ray.task.tokenizer import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)
     encode = PromptEncoder(tok, cfg.task, f"the tokenizer of {model_path}")
     budget = cfg.engine.max_model_len - cfg.sampling.max_response_len
     task = cfg.task

@@ -111,3 +111,30 @@ def test_qwen3_response_scored_after_the_last_think(qwen3):
     assert fn("", text, "2", {}) == 1.0 and fn("", text, "3", {}) == 0.0
     cut_off = qwen3.decode(qwen3.encode("<think>\nMaybe $2$"), skip_special_tokens=True)
     assert fn("", cut_off, "2", {}) == 0.0
+
+
+def test_load_tokenizer_is_autotokenizers_tokenizer_without_loading_torch(random_model_dir, qwen3, tmp_path):
+    """The embedded model's tokenizer (a Qwen3 directory naming the generic class) and a real Qwen3
+    vocabulary, saved as a Qwen3 and as another model type, load as AutoTokenizer loads them: same class, ids, template
+    and special tokens; the first without importing torch, as the driver and the prompt source load it."""
+    import subprocess
+    import sys
+
+    from april_ray.task.tokenizer import load_tokenizer
+
+    dirs = [random_model_dir]
+    for model_type in ("qwen3", "llama"):  # the second is loaded by AutoTokenizer itself
+        dirs.append(tmp_path / model_type)
+        qwen3.save_pretrained(dirs[-1])
+        (dirs[-1] / "config.json").write_text(json.dumps({"model_type": model_type}))
+    for path in dirs:
+        ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+        assert type(ours) is type(auto)
+        text = "Using [3, 5, 7], make 22. 你好 <eos>"
+        assert ours.encode(text) == auto.encode(text) and reference(ours, CHAT) == reference(auto, CHAT)
+        assert (ours.pad_token_id, ours.eos_token_id, ours.unk_token_id) == \
+               (auto.pad_token_id, auto.eos_token_id, auto.unk_token_id)
+    probe = ("import sys; from april_ray.task.tokenizer import load_tokenizer; "
+             f"load_tokenizer({str(random_model_dir)!r}); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -6,7 +6,7 @@ import pytest
 from april_ray.config import Config, RolloutConfig, SamplingConfig, StalenessConfig
 from april_ray.rollout.local import LocalHandle, resolve
 from april_ray.rollout.store import PartialRolloutStore
-from april_ray.types import SampleState
+from april_ray.types import SampleMeta, SampleState
 from tests.fakes import TOKEN, make_rollout_parts
 
 
@@ -488,13 +488,12 @@ def test_version_counts_are_exact_for_runs_and_for_lists_out_of_order():
     import random
     from collections import Counter
 
-    from april_ray.rollout.engine_worker import sample_meta
     from april_ray.types import Sample
 
     def version_counts(versions):
         s = Sample("g0s0", "g0", "p", "a", [1], 40, response_ids=[7] * len(versions), logprobs=[0.0] * len(versions),
                    versions=versions, state=SampleState.PARTIAL)
-        return sample_meta(s, 0).version_counts
+        return SampleMeta.of(s, 0).version_counts
 
     assert version_counts([]) == {}
     assert version_counts([4, 4, 4]) == {4: 3}

@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import traceback
-from collections import Counter, deque
+from collections import deque
 
 from april_ray.config import EngineConfig, RolloutConfig, SamplingConfig, StalenessConfig, TaskConfig
 from april_ray.engine.base import EngineLeft
@@ -53,14 +53,6 @@ from april_ray.rollout.episode import (Episode, EpisodeContext, EvaluationJourna
 from april_ray.task.evaluate import EvalItem
 from april_ray.task.rewards import RewardRunner, reward_value
 from april_ray.types import FinishReason, GenerateRequest, Sample, SampleMeta, SampleState, SamplingParams
-
-
-def sample_meta(sample: Sample, num_new_tokens: int) -> SampleMeta:
-    counts = dict(sorted(Counter(sample.model_versions).items()))
-    model = sample.num_model_tokens
-    return SampleMeta(sample.sample_id, sample.group_id, sample.state, num_new_tokens, model, sample.reward, counts,
-                      len(sample.response_ids) - model, sample.episode is not None,
-                      (sample.episode or {}).get("error"))
 
 
 def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, staleness: StalenessConfig, task: TaskConfig,
@@ -158,12 +150,12 @@ class EngineWorker:
             reward = await self.episode_fn(ep, **self.episode_kwargs)
         except Interrupted:
             partial = dataclasses.replace(ep.sample, state=SampleState.PARTIAL, finish_reason=FinishReason.ABORT)
-            return sample_meta(partial, ep.num_new_tokens), partial
+            return SampleMeta.of(partial, ep.num_new_tokens), partial
         except Exception:
             ep.state = ep.sample.episode["state"]  # as last recorded: what it holds now may be what failed
             failed = ep.finished(0.0)
             failed = dataclasses.replace(failed, episode=failed.episode | {"error": traceback.format_exc()})
-            return sample_meta(failed, ep.num_new_tokens), failed
+            return SampleMeta.of(failed, ep.num_new_tokens), failed
         why = None
         if reward is not None:
             try:
@@ -177,7 +169,7 @@ class EngineWorker:
                                                   done.metadata)
             done = dataclasses.replace(done, reward=reward)
         done = with_turn_rewards(done) if turn_rewards else done  # training's shaping, not evaluation's score
-        return dataclasses.replace(sample_meta(done, ep.num_new_tokens), reward_error=why), done
+        return dataclasses.replace(SampleMeta.of(done, ep.num_new_tokens), reward_error=why), done
 
     async def generate_group(self, samples: list[Sample], step, context: list[Sample] = ()
                              ) -> tuple[list[SampleMeta], list[Sample]]:
@@ -190,7 +182,7 @@ class EngineWorker:
         samples, rewarded; otherwise the samples sent alone. A leaving engine refuses (`EngineLeft`)."""
         self.check_staying()
         if step in self.closed_steps or not samples:
-            return [sample_meta(s, 0) for s in samples], list(samples)
+            return [SampleMeta.of(s, 0) for s in samples], list(samples)
         run = self.run_episode if self.episode_fn is not None else self.generate_sample
         self.num_calls += 1
         try:
@@ -202,7 +194,7 @@ class EngineWorker:
             unscored = [s.reward is None for s in [*samples, *context]]  # what the group function scores
             group, why = await self.reward_group([*samples, *context])
             group = [with_turn_rewards(s) if new else s for s, new in zip(group, unscored)]
-            metas += [sample_meta(s, 0) for s in group[len(samples):]]
+            metas += [SampleMeta.of(s, 0) for s in group[len(samples):]]
             return [dataclasses.replace(m, reward=s.reward, reward_error=why if new else m.reward_error)
                     for m, s, new in zip(metas, group, unscored)], group
         return metas, samples
@@ -236,7 +228,7 @@ class EngineWorker:
             reward, why = await self.reward.score(sample.prompt, self.decode(sample.response_ids), sample.answer,
                                                   sample.metadata)
             sample = dataclasses.replace(sample, reward=reward)
-        return dataclasses.replace(sample_meta(sample, out.num_tokens), reward_error=why), sample
+        return dataclasses.replace(SampleMeta.of(sample, out.num_tokens), reward_error=why), sample
 
     async def throughput_probe(self, prompts: list[list[int]], concurrency: int, seconds: float,
                                warmup_s: float = 1.0) -> tuple[int, float, float]:

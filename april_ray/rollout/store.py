@@ -14,8 +14,7 @@ from collections import OrderedDict
 from dataclasses import replace
 
 from april_ray.config import StalenessConfig
-from april_ray.rollout.engine_worker import sample_meta
-from april_ray.types import FinishReason, Group, HeldGroup, Sample, SampleState
+from april_ray.types import FinishReason, Group, HeldGroup, Sample, SampleMeta, SampleState
 
 
 class PartialRolloutStore:
@@ -207,7 +206,7 @@ def group_from_json(d: dict, where: str) -> Group:
 
 def held(group: Group, handles: list) -> HeldGroup:
     """`group` as the monitor takes it from the store: a handle per sample, and its meta."""
-    metas = [replace(sample_meta(s, 0), reward_error=s.reward_error) for s in group.samples]
+    metas = [replace(SampleMeta.of(s, 0), reward_error=s.reward_error) for s in group.samples]
     return HeldGroup(group.group_id, group.prompt_index, handles, metas, group.created_step, group.engine)
 
 

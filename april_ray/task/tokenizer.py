@@ -41,3 +41,31 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK,
         clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE,
     )
+
+
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""The tokenizer classes that only wrap a tokenizer.json; AutoTokenizer resolves a Qwen3 directory naming one
+of them (this module's tokenizer, saved) to `TokenizersBackend`."""
+
+
+def load_tokenizer(path):
+    """`AutoTokenizer.from_pretrained(path)`. A Qwen3 directory whose tokenizer_config.json names a generic
+    class (and no code of its own) is loaded by `PreTrainedTokenizerFast` directly, the class AutoTokenizer
+    resolves it to: AutoTokenizer's own import loads torch (through transformers' configuration module),
+    which the driver and the prompt source, that tokenize but never run a model, have no other use for."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        tok_cfg, model_type = {}, None
+    if tok_cfg.get("tokenizer_class") in GENERIC_CLASSES and "auto_map" not in tok_cfg and model_type == "qwen3":
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
