@@ -63,6 +63,9 @@ class LearnerActor:
 
 
 def _clients(servers: list[tuple[str, str] | None]) -> list:
+    """An HTTP client per engine server, None where an engine has none (the in-process CPU engine)."""
+    if all(s is None for s in servers):
+        return [None] * len(servers)  # no HTTP client stack imported for in-process engines
     from april_ray.engine.sglang_client import SGLangEngine
 
     return [None if s is None else SGLangEngine(s[0], admin_api_key=s[1]) for s in servers]

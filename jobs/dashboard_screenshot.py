@@ -45,8 +45,11 @@ def get(url: str, timeout: float = 5) -> str:
         return r.read().decode()
 
 
-STARTUP_TIMED_OUT = "timed out during startup"
-"""What `ray start` says when its node did not come up in Ray's fixed 30 s (a loaded machine): worth a new try."""
+STARTUP_TIMED_OUT = ("timed out during startup", "Failed to read dashboard.err file")
+"""What `ray start` says when its node did not come up in Ray's fixed 30 s, or its dashboard did not register
+within RAY_DASHBOARD_STARTUP_TIMEOUT_S and had written nothing yet (a loaded machine): worth a new try."""
+DASHBOARD_STARTUP_S = 180
+"""How long `ray start` waits for its dashboard to register (Ray's default, 60 s, is missed at load 19)."""
 
 
 @contextlib.contextmanager
@@ -55,14 +58,15 @@ def local_head(log_path: Path, num_cpus: int = 8, up_s: float = 240, export_inte
     """`ray start --head --block` on 127.0.0.1 with free ports and its own temp dir, so no other
     `ray.init()` on the machine finds it; yields {"dashboard": port, "metrics": port, "temp_dir": path,
     "gcs": its address} once the node is up ("Ray runtime started.") and the dashboard answers
-    (its nodes export their metrics every `export_interval_ms`). A start whose node timed out, which Ray's
-    dashboard can outlive for a moment, is tried again, up to `tries` times. Leaving stops the
+    (its nodes export their metrics every `export_interval_ms`). A start whose node or dashboard timed out
+    (`STARTUP_TIMED_OUT`) is tried again, up to `tries` times. Leaving stops the
     command, and Ray's reaper stops what it started: never `ray stop`, which ends every Ray here."""
     for attempt in range(1, tries + 1):
         gcs, dashboard, metrics, agent, client = free_ports(5)
         temp_dir = tempfile.mkdtemp(prefix="rayjs", dir="/tmp")  # short: Ray's socket paths have a length limit
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                "RAY_USAGE_STATS_ENABLED": "0", "RAY_metrics_report_interval_ms": str(export_interval_ms),
+               "RAY_DASHBOARD_STARTUP_TIMEOUT_S": str(DASHBOARD_STARTUP_S),
                "PYTHONUNBUFFERED": "1",  # its "Ray runtime started." reaches the log as it is said
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         env.pop("RAY_ADDRESS", None)
@@ -97,7 +101,7 @@ def wait_up(proc, log_path: Path, dashboard: int, up_s: float, retry: bool) -> b
     while True:
         if proc.poll() is not None:
             text = log_path.read_text()
-            if retry and STARTUP_TIMED_OUT in text:
+            if retry and any(why in text for why in STARTUP_TIMED_OUT):
                 return False
             raise RuntimeError(f"ray start exited:\n{text[-3000:]}")
         if "Ray runtime started." in log_path.read_text():

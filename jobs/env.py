@@ -21,3 +21,5 @@ def prepare_environment(environ=os.environ) -> None:
     environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     # on loopback, Ray's token would only stand between the user and their own dashboard
     environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # the local head waits this long for its dashboard to register (Ray's 60 s is missed on a loaded laptop)
+    environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "180")
