@@ -56,10 +56,10 @@ def load_tokenizer(path):
     import json
     from pathlib import Path
 
-    path = Path(path)
+    directory = Path(path)
     try:
-        tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        tok_cfg = json.loads((directory / "tokenizer_config.json").read_text())
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
         tok_cfg, model_type = {}, None
     if tok_cfg.get("tokenizer_class") in GENERIC_CLASSES and "auto_map" not in tok_cfg and model_type == "qwen3":
