@@ -228,9 +228,15 @@ def test_the_engine_worker_scores_a_failing_reward_zero_and_reports_it_in_stats(
 def test_a_missing_or_corrupt_model_directory_is_named(tmp_path, random_model_dir):
     import shutil
 
+    from safetensors.torch import load_file, save_file
+
     from april_ray.model import check_model_dir
 
     assert check_model_dir(random_model_dir) == random_model_dir
+    half = tmp_path / "bf16"  # a GPU checkpoint's dtypes, which numpy has no type for: its header is read all the same
+    shutil.copytree(random_model_dir, half)
+    save_file({k: v.bfloat16() for k, v in load_file(half / "model.safetensors").items()}, half / "model.safetensors")
+    assert check_model_dir(half) == half
     with pytest.raises(ValueError, match=f"model.path: {tmp_path}/none does not exist"):
         check_model_dir(tmp_path / "none")
     bad = tmp_path / "m"
