@@ -81,6 +81,17 @@ def test_reuse_takes_runs_by_mode_and_seed_and_refuses_another_config(tmp_path):
     assert reused["april", 4]["history"] == [[0, 0.3], [40, 0.36]]
     with pytest.raises(SystemExit, match=r"train\.num_steps: 60 there, 40 here"):
         reused_runs(str(earlier), {"train": {"num_steps": 40}, "task": {"num_eval": 2048}})
+    # several results: another seed's, and a cell run at one seed only, each by its own seeds
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(report([5], 0.35, 2048, {"sync": runs["sync"][:1], "april": runs["april"][1:]}, [50])
+                                | {"config": config}))
+    cell = tmp_path / "cell.json"
+    cell.write_text(json.dumps(report([4], 0.35, 2048, {"overlap_2_tis": runs["april"][:1]}, [50]) | {"config": config}))
+    both = reused_runs([str(earlier), str(other), str(cell)], config)
+    assert set(both) == set(reused) | {("sync", 5), ("april", 5), ("overlap_2_tis", 4)}
+    assert both["april", 5]["history"] == [[0, 0.3], [40, 0.36]] and both["overlap_2_tis", 4]["history"][1] == [30, 0.37]
+    with pytest.raises(SystemExit, match=r"sync seed 3 is in both .*earlier\.json and .*earlier\.json"):
+        reused_runs([str(earlier), str(earlier)], config)
 
 
 @shared_job(runs=2)

@@ -3,7 +3,7 @@ over several seeds.
 
     python -m jobs.bench.train --config configs/tiny_cpu.yaml --seeds K --json PATH [--modes sync,april,overlap]
         [--factors 1,1.5,2,3,auto] [--target ACC | --gain G] [--budgets S1,S2,...] [--first-seed S]
-        [--reuse EARLIER_JSON] [--overlap-ahead K1,K2,... --corrections C1,C2,...] [key=value ...]
+        [--reuse EARLIER_JSON ...] [--overlap-ahead K1,K2,... --corrections C1,C2,...] [key=value ...]
 
 `--modes` (default sync,april): `sync` (N' = N, no partial rollouts), `april` (APRIL as configured) and
 `overlap` (APRIL as configured with train.overlap=true: the learner trains while the engines go on
@@ -28,8 +28,9 @@ evaluation's sampling noise at that accuracy, sqrt(p (1 - p) / task.num_eval).
 
 `--reuse` takes the runs of an earlier result of the same command (same config and overrides) instead of
 running them again, by mode and seed: adding the factors to an earlier sync-vs-APRIL result runs only the
-new modes. The reused JSON's `config` must match this one's, or the bench stops and names the first key
-that differs.
+new modes. It may be given several times (results of other seeds or cells); a mode and seed found in two of
+them stops the bench naming both. Each reused JSON's `config` must match this one's, or the bench stops and
+names the first key that differs.
 
 `--overlap-ahead` and `--corrections` turn the overlapped mode into a grid (`jobs/bench/grid.py`): one mode
 `overlap_<k>_<correction>` per steps ahead and correction, run for every seed beside sync's one run; the
@@ -118,16 +119,29 @@ def seeded(cfg, mode: str, seed: int, base: Path):
         train=dataclasses.replace(cfg.train, seed=seed, resume=False, output_dir=str(base / mode / f"seed{seed}")))
 
 
-def reused_runs(path: str, config: dict) -> dict[tuple[str, int], dict]:
-    """(mode, seed) -> run record of an earlier result made with the same config."""
-    old = json.loads(Path(path).read_text())
-    mine, theirs = flatten(config), flatten(old.get("config", {}))
-    diff = next((k for k in sorted(mine.keys() | theirs.keys()) if mine.get(k) != theirs.get(k)), None)
-    if diff is not None:
-        raise SystemExit(f"--reuse {path}: made with another config ({diff}: {theirs.get(diff)!r} there, "
-                         f"{mine.get(diff)!r} here)")
-    return {(mode, seed): rec for mode, m in old.items() if isinstance(m, dict) and "runs" in m
-            for seed, rec in zip(old["seeds"], m["runs"])}
+def reused_runs(paths: str | list[str], config: dict) -> dict[tuple[str, int], dict]:
+    """(mode, seed) -> run record, from earlier results made with the same config (a path or several)."""
+    return {key: rec for key, (_, rec) in reused_sources(paths, config).items()}
+
+
+def reused_sources(paths: str | list[str], config: dict) -> dict[tuple[str, int], tuple[str, dict]]:
+    """(mode, seed) -> (the result's path, run record), as `reused_runs`."""
+    found: dict[tuple[str, int], tuple[str, dict]] = {}
+    for path in [paths] if isinstance(paths, str) else paths:
+        old = json.loads(Path(path).read_text())
+        mine, theirs = flatten(config), flatten(old.get("config", {}))
+        diff = next((k for k in sorted(mine.keys() | theirs.keys()) if mine.get(k) != theirs.get(k)), None)
+        if diff is not None:
+            raise SystemExit(f"--reuse {path}: made with another config ({diff}: {theirs.get(diff)!r} there, "
+                             f"{mine.get(diff)!r} here)")
+        for mode, m in old.items():
+            if not (isinstance(m, dict) and "runs" in m):
+                continue
+            for seed, rec in zip(old["seeds"], m["runs"]):  # a mode's runs are its first seeds' (round-robin)
+                if (mode, seed) in found:
+                    raise SystemExit(f"--reuse: {mode} seed {seed} is in both {found[mode, seed][0]} and {path}")
+                found[mode, seed] = (path, rec)
+    return found
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -298,7 +312,8 @@ def main() -> None:
         p.add_argument("--target", type=float, default=None, help="held-out accuracy to reach")
         p.add_argument("--gain", type=float, default=0.05, help="target = mean accuracy before + gain")
         p.add_argument("--budgets", default="", help="wall-clock budgets (s); default: quarters of sync's wall")
-        p.add_argument("--reuse", default=None, help="an earlier result's JSON: its runs (by mode and seed) are not re-run")
+        p.add_argument("--reuse", action="append", default=[],
+                       help="an earlier result's JSON, its runs (by mode and seed) not re-run; repeatable")
         p.add_argument("--overlap-ahead", default="", help="the overlapped mode at these train.overlap_ahead, e.g. 1,2,4")
         p.add_argument("--corrections", default="", help="... crossed with these algorithm.correction, e.g. tis,icepop")
 
@@ -311,13 +326,14 @@ def main() -> None:
         modes = {k: v for m, c in modes.items() for k, v in (cells.items() if m == "overlap" else [(m, c)])}
     init_ray(plan(cfg))
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    reused = reused_runs(args.reuse, bench_config(cfg)) if args.reuse else {}
+    reused = reused_sources(args.reuse, bench_config(cfg)) if args.reuse else {}
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for seed in seeds:  # round-robin: every mode's run for this seed before the next seed
         for mode, mode_cfg in modes.items():
             if (mode, seed) in reused:
-                runs[mode].append(reused[mode, seed])
-                print(f"seed {seed} {mode}: reused from {args.reuse}", flush=True)
+                path, record = reused[mode, seed]
+                runs[mode].append(record)
+                print(f"seed {seed} {mode}: reused from {path}", flush=True)
                 continue
             with JobCpu() as cpu:
                 summary = train(seeded(mode_cfg, mode, seed, Path(cfg.train.output_dir)))
