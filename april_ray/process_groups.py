@@ -1,15 +1,18 @@
 """torch.distributed groups that listen only where the job says: the learner ranks' group and the weight
 broadcast group (a learner's rank 0 with every server) both rendezvous through a TCPStore that rank 0 hosts
 on the master address alone, and their gloo sockets bind to the local address that reaches that master
-(127.0.0.1 for a job on one node), never the one the hostname resolves to.
+(127.0.0.1 for a job on one node), never the one the hostname resolves to. torch is imported by the functions
+that make a group: `free_port` (an HTTP server's port) imports nothing heavy.
 """
 from __future__ import annotations
 
 import os
 import socket
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -51,6 +54,8 @@ def tcp_store(address: str, port: int, world_size: int, is_master: bool, timeout
     """A TCPStore whose server (on the master) listens on `address` only: left to itself it listens on every
     interface (::) whatever address it is given; handed a socket bound to the address
     (`master_listen_fd`), it listens there (127.0.0.1 on one node; tests/test_listeners.py)."""
+    import torch.distributed as dist
+
     if not is_master:
         return dist.TCPStore(address, port, world_size, False, timeout)
     sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
@@ -65,6 +70,8 @@ def tcp_store(address: str, port: int, world_size: int, is_master: bool, timeout
 def init_default_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
                        timeout_s: float = 600.0) -> None:
     """The learner ranks' (default) group, over a store rank 0 hosts on `master_address`."""
+    import torch.distributed as dist
+
     if backend == "gloo":
         bind_gloo_towards(master_address)
     store = tcp_store(master_address, master_port, world_size, rank == 0, timedelta(seconds=timeout_s))
@@ -76,6 +83,7 @@ def init_custom_process_group(backend: str, master_address: str, master_port: in
     """A process group of its own (never the default one): rendezvous on master_address:master_port,
     where rank 0 hosts the store. Mirrors SGLang's `init_custom_process_group`, so a learner built on it
     broadcasts into a real SGLang server, and our server receives from a learner that uses SGLang's."""
+    import torch.distributed as dist
     from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
     if backend == "gloo":
@@ -89,4 +97,6 @@ def init_custom_process_group(backend: str, master_address: str, master_port: in
 
 
 def destroy_group(pg) -> None:
+    import torch.distributed as dist
+
     dist.destroy_process_group(pg)

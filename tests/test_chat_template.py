@@ -116,7 +116,8 @@ def test_qwen3_response_scored_after_the_last_think(qwen3):
 def test_load_tokenizer_is_autotokenizers_tokenizer_without_loading_torch(random_model_dir, qwen3, tmp_path):
     """The embedded model's tokenizer (a Qwen3 directory naming the generic class) and a real Qwen3
     vocabulary, saved as a Qwen3 and as another model type, load as AutoTokenizer loads them: same class, ids, template
-    and special tokens; the first without importing torch, as the driver and the prompt source load it."""
+    and special tokens; the first without importing torch, as the driver, the prompt source and the worker of an
+    HTTP engine (the modules it imports to start and reach its server: april_ray/rollout/engine_worker.py) load it."""
     import subprocess
     import sys
 
@@ -135,6 +136,7 @@ def test_load_tokenizer_is_autotokenizers_tokenizer_without_loading_torch(random
         assert (ours.pad_token_id, ours.eos_token_id, ours.unk_token_id) == \
                (auto.pad_token_id, auto.eos_token_id, auto.unk_token_id)
     probe = ("import sys; from april_ray.task.tokenizer import load_tokenizer; "
+             "import actors.engine_worker, april_ray.engine.sglang_client, april_ray.engine.sglang_server; "
              f"load_tokenizer({str(random_model_dir)!r}); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr

@@ -124,7 +124,7 @@ class Learner:
         `staleness`: tokens sampled more than `max_versions` versions ago are masked out of the loss (unless
         the policy is `keep`).
         `seed`: the run's seed (mini-batch order; torch's generator)."""
-        from transformers import AutoTokenizer
+        from april_ray.task.tokenizer import load_tokenizer
 
         torch.set_num_threads(learner_cfg.num_threads)
         torch.manual_seed(run_seeded(1234 + rank, seed))
@@ -136,7 +136,7 @@ class Learner:
         self.temperature, self.max_response_len, self.staleness = temperature, max_response_len, staleness
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id
+        self.pad_id = load_tokenizer(model_path).pad_token_id
         self.dtype = resolve_dtype(learner_cfg.dtype, self.device)
         self.packed = learner_cfg.packing == "on" or (learner_cfg.packing == "auto" and self.device.type == "cuda"
                                                       and learner_cfg.attn_implementation == "flash_attention_2")
@@ -307,9 +307,9 @@ class Learner:
         if self.rank == 0:
             self.module.save_pretrained(path / "policy", state_dict=weights, safe_serialization=True)
             if tokenizer_dir:
-                from transformers import AutoTokenizer
+                from april_ray.task.tokenizer import load_tokenizer
 
-                AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path / "policy")
+                load_tokenizer(tokenizer_dir).save_pretrained(path / "policy")
         self.optim.save(path, self.rank)
 
     def load(self, path: str | Path) -> None:

@@ -62,12 +62,11 @@ def build_worker(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, stalene
     configured sampling; with `episodes.episode_fn`, running that episode function, its tool results
     recorded in `journal` (in process when None); with `episodes.agent_fn`, that agent as each sample's
     episode, served by an OpenAI-compatible endpoint of this worker (`AgentEndpoint`)."""
-    from transformers import AutoTokenizer
-
     from april_ray.engine import build_engine
     from april_ray.task.rewards import build_reward_fn, reward_key
+    from april_ray.task.tokenizer import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)  # a worker of HTTP engines then imports neither torch nor a model
     sampling = SamplingParams(sampling_cfg.temperature, sampling_cfg.top_p, sampling_cfg.top_k,
                               sampling_cfg.max_response_len, (tok.eos_token_id,))
     kv_max_versions = staleness.kv_max_versions(engine_cfg.reuse_stale_kv)
