@@ -1,6 +1,7 @@
 """A policy as a standard Hugging Face directory (config.json, model.safetensors, tokenizer files): a random
 Qwen3 of the configured shape, a directory checked before anything loads it, and `load_policy`, the same
-`from_pretrained` path that loads Qwen3-4B on a GPU node. The embedded model built from these, warmed up on
+`from_pretrained` path that loads Qwen3-4B on a GPU node (the learner's; our engines hold the weights alone,
+april_ray/engine/qwen3.py). The embedded model built from these, warmed up on
 the task, is april_ray/task/embedded_model.py. torch and transformers are imported by the functions that
 build or load a model, so that checking a model directory (where a job starts) stops a bad one before they load.
 """

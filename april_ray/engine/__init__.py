@@ -40,10 +40,10 @@ def _cpu_engine(cfg: EngineConfig, model_path: str, version: int, max_versions: 
 
     from april_ray.engine.async_engine import AsyncEngine
     from april_ray.engine.cpu_engine import LLMEngine
-    from april_ray.model import load_policy
+    from april_ray.engine.qwen3 import load_qwen3
 
     torch.set_num_threads(cfg.num_threads)
-    model, _ = load_policy(model_path)
+    model = load_qwen3(model_path)
     model.to(engine_device())  # the runner, its KV cache and its sampler follow the model's device
     return AsyncEngine(LLMEngine(model, cfg.max_num_seqs, cfg.max_model_len, cfg.max_prefill_tokens,
                                  cfg.seed, version, num_park_slots=cfg.park_slots, max_versions=max_versions))

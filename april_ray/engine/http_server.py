@@ -310,13 +310,13 @@ class Server(WeightRoutes):
 
 def build_server(args: argparse.Namespace) -> Server:
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from april_ray.engine.qwen3 import load_qwen3
 
     torch.set_num_threads(args.num_threads)
-    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=getattr(torch, args.dtype)).eval()
+    model = load_qwen3(args.model_path, getattr(torch, args.dtype))
     model.to(args.device)
-    eos = model.generation_config.eos_token_id if model.generation_config else model.config.eos_token_id
-    eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    eos_ids = model.config.eos_token_id
     core = LLMEngine(model, args.max_num_seqs, args.max_model_len, args.max_prefill_tokens, args.seed, 0,
                      num_park_slots=args.park_slots, max_versions=args.max_versions)
     limit = int(args.max_body_mb * (1 << 20)) if args.max_body_mb else body_limit(args.max_model_len)
