@@ -62,6 +62,7 @@ def write_config(path, **fields):
     ({"model_type": "llama"}, "model_type 'llama'; the CPU engine runs Qwen3"),
     ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
     ({"num_hidden_layers": 3}, "missing ['model.layers.2."),
+    ({"intermediate_size": 200}, "model.layers.0.mlp.gate_proj.weight (384, 128) where config.json makes (200, 128)"),
 ])
 def test_a_checkpoint_the_engine_cannot_run_is_refused_naming_its_file(random_model_dir, tmp_path, fields, says):
     import shutil

@@ -50,7 +50,7 @@ class Qwen3Config:
         heads = raw["num_attention_heads"]
         return cls(raw["vocab_size"], raw["hidden_size"], raw["intermediate_size"], raw["num_hidden_layers"], heads,
                    raw.get("num_key_value_heads") or heads, raw.get("head_dim") or raw["hidden_size"] // heads,
-                   raw["rms_norm_eps"], rope, raw.get("hidden_act", "silu"), bool(raw.get("attention_bias", False)),
+                   raw.get("rms_norm_eps", 1e-6), rope, raw.get("hidden_act", "silu"), bool(raw.get("attention_bias", False)),
                    bool(raw.get("tie_word_embeddings", False)),
                    tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
 
@@ -136,7 +136,7 @@ class Qwen3Weights(nn.Module):
 
 def load_qwen3(path: str | Path, dtype: torch.dtype = torch.float32) -> Qwen3Weights:
     """The checkpoint at `path` (model.safetensors, or shards under model.safetensors.index.json) in `dtype`,
-    on the CPU; every parameter loaded, or a ValueError naming the missing and unexpected tensors."""
+    on the CPU; every parameter loaded, or a ValueError naming the missing, unexpected or misshapen tensors."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -156,6 +156,10 @@ def load_qwen3(path: str | Path, dtype: torch.dtype = torch.float32) -> Qwen3Wei
     if missing or unexpected:
         raise ValueError(f"{path}: its weights are not a Qwen3 of its config.json (missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]})")
+    wrong = [f"{k} {tuple(tensors[k].shape)} where config.json makes {tuple(p.shape)}" for k, p in expected.items()
+             if tensors[k].shape != p.shape]
+    if wrong:
+        raise ValueError(f"{path}: its weights are not a Qwen3 of its config.json ({'; '.join(wrong[:3])})")
     model.load_state_dict(tensors, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
