@@ -37,7 +37,8 @@ def test_an_untied_sharded_bf16_checkpoint_with_biases_loads_as_transformers_loa
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=99, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,
-                         tie_word_embeddings=False, eos_token_id=[1, 2], rope_parameters={"rope_theta": 5e5, "rope_type": "default"})
+                         tie_word_embeddings=False, eos_token_id=[1, 2],
+                         rope_parameters={"rope_theta": 5e5, "rope_type": "default"})
     Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="50KB")
     from april_ray.task.tokenizer import build_tokenizer
 
@@ -46,7 +47,8 @@ def test_an_untied_sharded_bf16_checkpoint_with_biases_loads_as_transformers_loa
     ours, (hf, _) = load_qwen3(tmp_path), load_policy(tmp_path)
     same_weights(ours, hf)
     assert ours.config.eos_token_id == (1, 2) and ours.config.rope_parameters["rope_theta"] == 5e5
-    assert ours.lm_head.weight.dtype == torch.float32 and load_qwen3(tmp_path, torch.bfloat16).lm_head.weight.dtype == torch.bfloat16
+    assert ours.lm_head.weight.dtype == torch.float32
+    assert load_qwen3(tmp_path, torch.bfloat16).lm_head.weight.dtype == torch.bfloat16
     ids = [[5, 9, 13, 40], [7, 7, 3]]
     outs = LLMEngine(ours, max_num_seqs=2, max_model_len=64).generate(
         [GenerateRequest(f"r{i}", x, greedy(12)) for i, x in enumerate(ids)])

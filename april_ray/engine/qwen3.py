@@ -15,8 +15,8 @@ from torch import nn
 
 
 @dataclass(frozen=True)
-class Qwen3Config:
-    """The config.json fields the engine reads, under their Hugging Face names."""
+class Qwen3Spec:
+    """The config.json fields the engine reads (as `model.config`), under their Hugging Face names."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -32,7 +32,7 @@ class Qwen3Config:
     eos_token_id: tuple[int, ...] = ()
 
     @classmethod
-    def read(cls, path: str | Path) -> "Qwen3Config":
+    def read(cls, path: str | Path) -> "Qwen3Spec":
         """From a model directory: a ValueError naming config.json when it is not a Qwen3 the engine can run."""
         path = Path(path)
         raw = json.loads((path / "config.json").read_text())
@@ -50,8 +50,8 @@ class Qwen3Config:
         heads = raw["num_attention_heads"]
         return cls(raw["vocab_size"], raw["hidden_size"], raw["intermediate_size"], raw["num_hidden_layers"], heads,
                    raw.get("num_key_value_heads") or heads, raw.get("head_dim") or raw["hidden_size"] // heads,
-                   raw.get("rms_norm_eps", 1e-6), rope, raw.get("hidden_act", "silu"), bool(raw.get("attention_bias", False)),
-                   bool(raw.get("tie_word_embeddings", False)),
+                   raw.get("rms_norm_eps", 1e-6), rope, raw.get("hidden_act", "silu"),
+                   bool(raw.get("attention_bias", False)), bool(raw.get("tie_word_embeddings", False)),
                    tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
 
 
@@ -85,7 +85,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, c: Qwen3Config):
+    def __init__(self, c: Qwen3Spec):
         super().__init__()
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         self.q_proj = Linear(c.hidden_size, q, c.attention_bias)
@@ -97,7 +97,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: Qwen3Config):
+    def __init__(self, c: Qwen3Spec):
         super().__init__()
         self.gate_proj = Linear(c.hidden_size, c.intermediate_size, False)
         self.up_proj = Linear(c.hidden_size, c.intermediate_size, False)
@@ -105,7 +105,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: Qwen3Config):
+    def __init__(self, c: Qwen3Spec):
         super().__init__()
         self.self_attn = Attention(c)
         self.mlp = MLP(c)
@@ -114,7 +114,7 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, c: Qwen3Config):
+    def __init__(self, c: Qwen3Spec):
         super().__init__()
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
@@ -125,7 +125,7 @@ class Qwen3Weights(nn.Module):
     """`Qwen3ForCausalLM`'s parameter tree (`model.embed_tokens`, `model.layers.N...`, `model.norm`, `lm_head`,
     the head tied to the embedding when the config says so) and its `config`, without a forward."""
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Spec):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
@@ -140,7 +140,7 @@ def load_qwen3(path: str | Path, dtype: torch.dtype = torch.float32) -> Qwen3Wei
     from safetensors.torch import load_file
 
     path = Path(path)
-    config = Qwen3Config.read(path)
+    config = Qwen3Spec.read(path)
     index = path / "model.safetensors.index.json"
     shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
         else ["model.safetensors"]
