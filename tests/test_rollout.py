@@ -386,7 +386,9 @@ def test_engines_all_dead_mid_step_wait_for_revival_and_lose_nothing():
         check_invariants(r1, rollout, source, store, c, seen)
         assert rollout.alive == [False, True]
         assert await rollout.dead_engines([1], 1) == [0]  # differs from what the caller knew: at once
-        assert r1.metrics["rollout/engine_crashes"] == 2 and r1.metrics["rollout/crash_tokens_lost"] > 0
+        # a death is counted with the call it takes: the second engine, killed 5 ms after the first, may be
+        # between calls then (its dispatch on its way), and lose nothing
+        assert r1.metrics["rollout/engine_crashes"] in (1, 2) and r1.metrics["rollout/crash_tokens_lost"] > 0
         pool.restart(0)
         rollout.revive([0])
         quiet = asyncio.ensure_future(rollout.dead_engines([], 2))
